@@ -1,0 +1,38 @@
+"""gpufleet: run a decorated PyTorch function on every GPU of a machine and get back each
+rank's result or a precise error.
+
+    from gpufleet import distributed, runtime
+
+    @distributed(gpus=2)
+    def train(epochs):
+        device = runtime.setup()
+        ...
+        return {"rank": runtime.get_global_rank()}
+
+    results = train.distributed(3)
+"""
+
+from gpufleet import runtime
+from gpufleet.api import DistributedFunction, distributed
+from gpufleet.errors import (
+    ConfigError,
+    GpufleetError,
+    PayloadError,
+    RankFailure,
+    RunFailedError,
+    RunTimeoutError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DistributedFunction",
+    "GpufleetError",
+    "PayloadError",
+    "RankFailure",
+    "RunFailedError",
+    "RunTimeoutError",
+    "distributed",
+    "runtime",
+]

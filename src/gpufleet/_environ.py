@@ -1,0 +1,76 @@
+"""The one place gpufleet reads environment variables.
+
+Rank variables follow torchrun's names so that code launched by torchrun, by gpufleet or by
+nothing at all (a direct call) reads the same values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Set by gpufleet for every rank, beside torchrun's variables.
+RUN_DIR = "GPUFLEET_RUN_DIR"
+DEVICE = "GPUFLEET_DEVICE"  # "cuda" or "cpu": what the launcher decided for this run
+PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must die with
+
+
+def int_var(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def rank() -> int:
+    return int_var("RANK", 0)
+
+
+def local_rank() -> int:
+    return int_var("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    return int_var("WORLD_SIZE", 1)
+
+
+def local_world_size() -> int:
+    return int_var("LOCAL_WORLD_SIZE", 1)
+
+
+def node_rank() -> int:
+    return int_var("NODE_RANK", int_var("GROUP_RANK", 0))
+
+
+def is_launched() -> bool:
+    """True inside a rank started by a launcher (gpufleet, torchrun, ...)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def device_kind() -> str | None:
+    return os.environ.get(DEVICE) or None
+
+
+def run_dir() -> Path | None:
+    value = os.environ.get(RUN_DIR)
+    return Path(value) if value else None
+
+
+def parent_pid() -> int | None:
+    value = os.environ.get(PARENT_PID)
+    return int(value) if value else None
+
+
+def gpufleet_home() -> Path:
+    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet")
+
+
+def cuda_visible_devices() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def omp_num_threads() -> str | None:
+    return os.environ.get("OMP_NUM_THREADS")
+
+
+def snapshot() -> dict[str, str]:
+    """The caller's environment, to hand to the processes of a run."""
+    return dict(os.environ)

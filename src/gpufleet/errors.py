@@ -1,0 +1,153 @@
+"""gpufleet's exceptions, and how the failures of a run become one readable error.
+
+Every exception here pickles (a run handle or a cluster may move it between processes), keeps
+the remote traceback as text, and puts the root cause first.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "killed outright: the kernel's out-of-memory killer, a `kill -9`, or a scheduler",
+    "SIGSEGV": "segmentation fault: a crash in native code (a C/C++/CUDA extension)",
+    "SIGABRT": "aborted by native code (a failed C++ check or an uncaught C++ exception)",
+    "SIGBUS": "bus error: often /dev/shm is too small for DataLoader workers",
+    "SIGTERM": "terminated by a SIGTERM from outside the run",
+}
+
+
+class GpufleetError(Exception):
+    """Base class of every error gpufleet raises."""
+
+
+class ConfigError(GpufleetError, ValueError):
+    """An option or the machine does not allow the run; raised before any process starts."""
+
+
+class PayloadError(GpufleetError, TypeError):
+    """The function or one of its arguments cannot travel to the ranks."""
+
+
+@dataclass
+class RankFailure:
+    """What went wrong in one rank."""
+
+    rank: int
+    kind: str  # "exception", "exit", "signal", "result", "lost"
+    summary: str  # one line: "ValueError: boom", "exit code 3", "signal SIGKILL"
+    traceback: str = ""
+    host: str = ""
+    pid: int | None = None
+    exitcode: int | None = None
+    time: float = 0.0
+    collateral: bool = False  # a communication error, most likely caused by another rank
+    log_tail: list[str] = field(default_factory=list)
+    exception: bytes | None = None  # cloudpickle of the original exception, when it pickled
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def group_key(self) -> tuple:
+        return (self.kind, self.summary)
+
+
+class RunFailedError(GpufleetError, RuntimeError):
+    """One or more ranks failed. ``failures`` holds them, root cause first."""
+
+    def __init__(
+        self,
+        failures: list[RankFailure],
+        *,
+        run_dir: str | Path,
+        world_size: int,
+        stopped: list[int] | None = None,
+        headline: str | None = None,
+    ):
+        self.failures = order_failures(failures)
+        self.run_dir = Path(run_dir)
+        self.world_size = world_size
+        self.stopped = sorted(stopped or [])
+        self.headline = headline or self._default_headline()
+        super().__init__(self._render())
+
+    def __reduce__(self):
+        return (_rebuild_run_error, (type(self), self.__dict__))
+
+    @property
+    def root_cause(self) -> RankFailure | None:
+        return self.failures[0] if self.failures else None
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(f.rank for f in self.failures)
+
+    def _default_headline(self) -> str:
+        n = len(self.failures)
+        return f"{n} of {self.world_size} rank{'s' if self.world_size != 1 else ''} failed"
+
+    def _render(self) -> str:
+        lines = [f"{self.headline} (run folder {self.run_dir})"]
+        for i, (ranks, failure) in enumerate(group_failures(self.failures)):
+            label = "root cause" if i == 0 else "also"
+            lines += ["", f"{label}: {_ranks_label(ranks)}: {describe(failure)}"]
+            if failure.traceback:
+                lines.append(failure.traceback.rstrip())
+            if failure.log_tail:
+                lines.append(f"last lines of rank {failure.rank}'s log:")
+                lines += [f"  {line}" for line in failure.log_tail]
+        if self.stopped:
+            lines += ["", f"{_ranks_label(self.stopped)} stopped by gpufleet after the failure."]
+        lines += ["", f"per-rank logs: {self.run_dir / 'logs'}/rank-<N>.log"]
+        return "\n".join(lines)
+
+
+class RunTimeoutError(RunFailedError, TimeoutError):
+    """The call ran past ``timeout=`` seconds; every rank was stopped."""
+
+
+def _rebuild_run_error(cls, state):
+    error = cls.__new__(cls)
+    error.__dict__.update(state)
+    Exception.__init__(error, error._render())
+    return error
+
+
+def describe(failure: RankFailure) -> str:
+    """One line that says how a rank failed, with host and pid when known."""
+    where = ", ".join(x for x in (failure.host, f"pid {failure.pid}" if failure.pid else "") if x)
+    where = f" ({where})" if where else ""
+    if failure.kind == "signal":
+        hint = _SIGNAL_HINTS.get(failure.signal_name or "", "")
+        return f"died from {failure.summary}{where}" + (f" — {hint}" if hint else "")
+    if failure.kind == "exit":
+        return f"exited with {failure.summary} without raising a Python exception{where}"
+    if failure.kind == "lost":
+        return f"{failure.summary}{where}"
+    return f"{failure.summary}{where}"
+
+
+def order_failures(failures: list[RankFailure]) -> list[RankFailure]:
+    """Root cause first: real failures before communication errors, then by time, then rank."""
+    return sorted(failures, key=lambda f: (f.collateral, f.time, f.rank))
+
+
+def group_failures(failures: list[RankFailure]) -> list[tuple[list[int], RankFailure]]:
+    """Identical failures (same kind and message) as one entry, in the given order."""
+    groups: dict[tuple, tuple[list[int], RankFailure]] = {}
+    for failure in failures:
+        ranks, _ = groups.setdefault(failure.group_key(), ([], failure))
+        ranks.append(failure.rank)
+    return [(sorted(ranks), first) for ranks, first in groups.values()]
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

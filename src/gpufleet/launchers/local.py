@@ -1,0 +1,63 @@
+"""The local launcher: every rank on this machine, started by torch.distributed.elastic.
+
+``plan`` is pure (what would run: argv and environment); ``launch`` starts it. The engine runs
+in its own process, ``_elastic_agent``; docs/design.md says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from gpufleet import _environ
+from gpufleet.hardware import Placement
+from gpufleet.options import RunOptions
+from gpufleet.payload import write_private
+from gpufleet.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    argv: list[str]
+    env: dict[str, str]
+    nprocs: int
+
+
+def plan(run: RunDir, placement: Placement, options: RunOptions) -> LaunchPlan:
+    env = _environ.snapshot()
+    env.update(options.env)
+    env.update(
+        {
+            _environ.RUN_DIR: str(run.path),
+            _environ.DEVICE: placement.device,
+            _environ.PARENT_PID: str(os.getpid()),
+            "NODE_RANK": "0",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // placement.nprocs))
+    argv = [sys.executable, "-m", "gpufleet.launchers._elastic_agent", str(run.path)]
+    return LaunchPlan(argv=argv, env=env, nprocs=placement.nprocs)
+
+
+def launch(launch_plan: LaunchPlan, run: RunDir) -> subprocess.Popen:
+    """Start the agent in its own session, so a terminal's Ctrl-C reaches only the caller,
+    which then stops the run in order."""
+    spec = {"nprocs": launch_plan.nprocs}
+    write_private(run.path / "launch.json", json.dumps(spec).encode())
+    log_fd = os.open(run.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return subprocess.Popen(
+            launch_plan.argv,
+            env=launch_plan.env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        os.close(log_fd)

@@ -1,0 +1,73 @@
+"""Follow every rank's log file and print its lines live, prefixed with the rank."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+TAIL_LINES = 20
+
+
+class _RankLog:
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = None
+        self.partial = b""
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def read_lines(self, final: bool) -> list[str]:
+        if self.file is None:
+            try:
+                self.file = open(self.path, "rb")  # noqa: SIM115 - kept open while following
+            except FileNotFoundError:
+                return []
+        data = self.partial + self.file.read()
+        *lines, self.partial = data.split(b"\n")
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        text = [line.decode(errors="replace").rstrip("\r") for line in lines]
+        self.tail.extend(text)
+        return text
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class LogFollower:
+    """Prints new lines of ``logs/rank-N.log`` as ``[rank N] line`` for the shown ranks."""
+
+    def __init__(
+        self,
+        path_of: Callable[[int], Path],
+        world_size: int,
+        shows: Callable[[int], bool],
+        out: TextIO | None = None,
+    ):
+        self._logs = {rank: _RankLog(path_of(rank)) for rank in range(world_size)}
+        self._shows = shows
+        self._out = out
+
+    def poll(self, final: bool = False) -> None:
+        """Print what was written since the last poll; ``final`` also flushes partial lines."""
+        out = self._out or sys.stdout
+        printed = False
+        for rank, log in self._logs.items():
+            lines = log.read_lines(final)
+            if lines and self._shows(rank):
+                out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+                printed = True
+        if printed:
+            out.flush()
+
+    def tail(self, rank: int) -> list[str]:
+        return list(self._logs[rank].tail)
+
+    def close(self) -> None:
+        self.poll(final=True)
+        for log in self._logs.values():
+            log.close()

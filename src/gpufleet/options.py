@@ -1,0 +1,146 @@
+"""The options of a distributed call, checked before anything starts.
+
+Checks here need no hardware; those that do (how many GPUs are visible, their type) live in
+``hardware.py`` and run when the call is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpufleet.errors import ConfigError
+
+DEFAULT_TIMEOUT = 3 * 3600.0
+LOG_CHOICES = ("all", "rank0", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """Every option of ``@distributed``; see its docstring for their meaning."""
+
+    gpus: int | None = None
+    gpu_type: str | None = None
+    remote: bool = False
+    timeout: float | None = DEFAULT_TIMEOUT
+    logs: str | tuple[int, ...] = "all"
+    env: Mapping[str, str] = field(default_factory=dict)
+    runs_dir: Path | None = None
+
+    @classmethod
+    def create(cls, **options) -> "RunOptions":
+        unknown = sorted(set(options) - set(option_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(option_names())}"
+            )
+        return cls(**_checked(options))
+
+    def replace(self, **changes) -> "RunOptions":
+        merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        merged.update(changes)
+        return RunOptions.create(**merged)
+
+    def shows_rank(self, rank: int) -> bool:
+        if self.logs == "all":
+            return True
+        if self.logs == "rank0":
+            return rank == 0
+        if self.logs == "none":
+            return False
+        return rank in self.logs
+
+
+def option_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunOptions)]
+
+
+def _checked(options: dict) -> dict:
+    checks = {
+        "gpus": _check_gpus,
+        "gpu_type": _check_gpu_type,
+        "remote": _check_remote,
+        "timeout": _check_timeout,
+        "logs": _check_logs,
+        "env": _check_env,
+        "runs_dir": _check_runs_dir,
+    }
+    return {name: checks[name](value) for name, value in options.items()}
+
+
+def _check_gpus(gpus):
+    if gpus is None:
+        return None
+    if isinstance(gpus, bool) or not isinstance(gpus, int):
+        raise ConfigError(f"gpus={gpus!r} must be a positive integer (or None for every GPU)")
+    if gpus <= 0:
+        raise ConfigError(
+            f"gpus={gpus} must be at least 1: it is the number of processes, one per GPU "
+            "(use gpus=None for every visible GPU)"
+        )
+    return gpus
+
+
+def _check_gpu_type(gpu_type):
+    if gpu_type is not None and (not isinstance(gpu_type, str) or not gpu_type.strip()):
+        raise ConfigError(f"gpu_type={gpu_type!r} must be a GPU model name such as 'H100', or None")
+    return gpu_type.strip() if gpu_type else None
+
+
+def _check_remote(remote):
+    if not isinstance(remote, bool):
+        raise ConfigError(f"remote={remote!r} must be True or False")
+    if remote:
+        raise ConfigError(
+            "remote=True (running on a Ray cluster) is not available in this version of "
+            "gpufleet yet; use remote=False to run on the GPUs of this machine"
+        )
+    return remote
+
+
+def _check_timeout(timeout):
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ConfigError(f"timeout={timeout!r} must be a number of seconds, or None for no limit")
+    if not timeout > 0 or math.isnan(timeout):
+        raise ConfigError(f"timeout={timeout!r} must be more than 0 seconds, or None for no limit")
+    return float(timeout)
+
+
+def _check_logs(logs):
+    if isinstance(logs, str):
+        if logs not in LOG_CHOICES:
+            raise ConfigError(
+                f"logs={logs!r} is not a choice; use one of {', '.join(map(repr, LOG_CHOICES))} "
+                "or a list of ranks such as [0, 3]"
+            )
+        return logs
+    if isinstance(logs, Sequence) and all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in logs
+    ):
+        return tuple(logs)
+    raise ConfigError(
+        f"logs={logs!r} must be 'all', 'rank0', 'none' or a list of non-negative rank numbers"
+    )
+
+
+def _check_env(env):
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise ConfigError(f"env={env!r} must be a mapping of str to str (environment variables)")
+    return dict(env)
+
+
+def _check_runs_dir(runs_dir):
+    if runs_dir is None:
+        return None
+    if not isinstance(runs_dir, (str, os.PathLike)):
+        raise ConfigError(f"runs_dir={runs_dir!r} must be a path, or None for ~/.gpufleet/runs")
+    return Path(runs_dir).expanduser()

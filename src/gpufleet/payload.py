@@ -1,0 +1,121 @@
+"""Everything that crosses between the caller and the ranks, as cloudpickle bytes in files.
+
+The call payload is the user's function and arguments, pickled by value so that functions
+defined in ``__main__`` or a notebook cell travel. Results are pickled with tensors moved to
+CPU, so the caller never needs a GPU (or CUDA) to read them. Pickles are code: they are written
+private to the user and only loaded from files the user owns.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import stat
+import sys
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from gpufleet.errors import GpufleetError, PayloadError
+
+LARGE_PAYLOAD_BYTES = 256 * 2**20
+
+
+def dump_call(fn, args: tuple, kwargs: dict) -> bytes:
+    """Pickle the call, or raise PayloadError naming the value that cannot travel."""
+    try:
+        data = cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise PayloadError(_diagnose(fn, args, kwargs, exc)) from exc
+    if len(data) > LARGE_PAYLOAD_BYTES:
+        warnings.warn(
+            f"the arguments of {_name(fn)} pickle to {len(data) / 2**20:.0f} MiB and are copied "
+            "to every rank; load large data inside the function instead",
+            stacklevel=4,
+        )
+    return data
+
+
+def _diagnose(fn, args: tuple, kwargs: dict, exc: Exception) -> str:
+    for label, value in _suspects(fn, args, kwargs):
+        try:
+            cloudpickle.dumps(value)
+        except Exception as inner:
+            return (
+                f"{label} (a {type(value).__module__}.{type(value).__qualname__}) cannot be "
+                f"pickled to send it to the ranks: {inner}. Create it inside the function, or "
+                "pass something picklable (a path, a config) that the function turns into it"
+            )
+    return f"cannot pickle {_name(fn)} and its arguments to send them to the ranks: {exc}"
+
+
+def _suspects(fn, args: tuple, kwargs: dict):
+    for i, value in enumerate(args):
+        yield f"argument {i} of {_name(fn)}", value
+    for key, value in kwargs.items():
+        yield f"keyword argument {key!r} of {_name(fn)}", value
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for name, value in zip(code.co_freevars, fn.__closure__ or ()):
+            yield f"the variable {name!r} captured by {_name(fn)}", value.cell_contents
+        globals_ = getattr(fn, "__globals__", {})
+        for name in sorted(_global_names(code)):
+            if name in globals_ and not isinstance(globals_[name], types.ModuleType):
+                yield f"the global {name!r} used by {_name(fn)}", globals_[name]
+        for i, value in enumerate(fn.__defaults__ or ()):
+            yield f"default value {i} of {_name(fn)}", value
+    yield _name(fn), fn
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _name(fn) -> str:
+    return f"function {getattr(fn, '__qualname__', repr(fn))!r}"
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """cloudpickle that copies every non-CPU tensor to CPU as it pickles it."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def dump_result(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` atomically (temp file + rename), readable by the owner only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def load_private(path: Path) -> Any:
+    """Unpickle a file gpufleet wrote, refusing one that another user could have written."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise GpufleetError(
+                f"refusing to load {path}: it must belong to uid {os.getuid()} and be writable "
+                f"by its owner only (found uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
+            )
+        return cloudpickle.load(f)

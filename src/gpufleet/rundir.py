@@ -1,0 +1,79 @@
+"""The run folder: where a call's payload, logs, results and reports live (docs/design.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufleet import _environ
+from gpufleet.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @classmethod
+    def create(cls, runs_dir: Path | None, name: str) -> "RunDir":
+        """A new private folder under ``runs_dir`` (default ``$GPUFLEET_HOME/runs``)."""
+        root = runs_dir or _environ.gpufleet_home() / "runs"
+        _ensure_private_root(root)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = root / f"{_safe(name)}-{stamp}-{secrets.token_hex(3)}"
+        path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
+        for sub in ("logs", "results", "pids"):
+            (path / sub).mkdir(mode=0o700)
+        return cls(path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def payload(self) -> Path:
+        return self.path / "payload.pkl"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.path / "agent.log"
+
+    @property
+    def agent_report(self) -> Path:
+        return self.path / "agent.json"
+
+    @property
+    def elastic_logs(self) -> Path:
+        return self.path / "elastic"
+
+    def log(self, rank: int) -> Path:
+        return self.path / "logs" / f"rank-{rank}.log"
+
+    def result(self, rank: int) -> Path:
+        return self.path / "results" / f"rank-{rank}.pkl"
+
+    def pid_file(self, rank: int) -> Path:
+        return self.path / "pids" / f"rank-{rank}.pid"
+
+
+def _ensure_private_root(root: Path) -> None:
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = root.lstat()
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+        raise ConfigError(
+            f"runs_dir {root} must be a real folder owned by you (uid {os.getuid()}); "
+            "choose another runs_dir or set GPUFLEET_HOME"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"runs_dir {root} is writable by other users (mode {oct(info.st_mode & 0o777)}); "
+            f"run `chmod 700 {root}` or choose another runs_dir"
+        )
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60] or "run"

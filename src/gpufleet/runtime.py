@@ -1,0 +1,85 @@
+"""What user code calls inside a rank.
+
+The getters read torchrun's variables, so they work the same under gpufleet, under torchrun,
+and in a direct (undistributed) call, where they describe a world of one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING
+
+from gpufleet import _environ
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "get_global_rank",
+    "get_local_rank",
+    "get_world_size",
+    "get_local_world_size",
+    "get_node_rank",
+    "is_main_process",
+    "setup",
+]
+
+
+def get_global_rank() -> int:
+    """This process's rank among all processes of the run (0 in a direct call)."""
+    return _environ.rank()
+
+
+def get_local_rank() -> int:
+    """This process's rank on its machine; also the index of its GPU."""
+    return _environ.local_rank()
+
+
+def get_world_size() -> int:
+    """How many processes the run has (1 in a direct call)."""
+    return _environ.world_size()
+
+
+def get_local_world_size() -> int:
+    """How many processes of the run share this machine."""
+    return _environ.local_world_size()
+
+
+def get_node_rank() -> int:
+    """The index of this machine among the run's machines."""
+    return _environ.node_rank()
+
+
+def is_main_process() -> bool:
+    """True on global rank 0: the one rank that should print, save and log."""
+    return get_global_rank() == 0
+
+
+def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch.device":
+    """Bind this rank's GPU and initialise the default process group; return the device.
+
+    The backend is nccl on GPUs and gloo on CPU unless ``backend`` says otherwise (for
+    example ``"cpu:gloo,cuda:nccl"``). ``timeout`` (seconds) bounds every collective. Calling
+    it again, or after user code already called ``init_process_group``, changes nothing. In a
+    direct call (no launcher) it only picks the device.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = _device(torch)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if _environ.is_launched() and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
+            device_id=device if device.type == "cuda" else None,
+            timeout=datetime.timedelta(seconds=timeout) if timeout else None,
+        )
+    return device
+
+
+def _device(torch) -> "torch.device":
+    wants_cpu = _environ.device_kind() == "cpu"
+    if wants_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", get_local_rank())
