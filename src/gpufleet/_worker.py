@@ -59,15 +59,17 @@ def _send_output_to(log: Path) -> None:
 
 def _run(run: RunDir, rank: int) -> tuple:
     try:
-        fn, args, kwargs = payload.load_private(run.payload)
+        fn, args, kwargs, sources = payload.load_private(run.payload)
+        payload.install_sources(sources)
         return ("ok", fn(*args, **kwargs))
     except SystemExit as exc:
         if exc.code in (None, 0):
             return ("ok", None)
         return ("error", _failure(rank, exc, kind="exit", summary=f"sys.exit({exc.code!r})"))
     except BaseException as exc:
-        traceback.print_exc()  # into this rank's log, where users look first
-        return ("error", _failure(rank, exc))
+        failure = _failure(rank, exc)
+        print(failure.traceback, file=sys.stderr, end="", flush=True)  # the rank's log too
+        return ("error", failure)
 
 
 def _failure(rank: int, exc: BaseException, kind: str = "exception", summary: str = "") -> RankFailure:
@@ -75,9 +77,11 @@ def _failure(rank: int, exc: BaseException, kind: str = "exception", summary: st
         pickled = payload.dump_result(exc)
     except Exception:  # an exception that does not pickle still travels as text
         pickled = None
+    sys.stderr.flush()
     return RankFailure(
         rank=rank,
         kind=kind,
+        log_bytes=os.fstat(2).st_size,
         summary=summary or "".join(traceback.format_exception_only(type(exc), exc)).strip(),
         traceback=_user_traceback(exc),
         host=socket.gethostname(),
@@ -95,6 +99,7 @@ def _result_failure(rank: int, value, exc: Exception) -> RankFailure:
         rank=rank,
         kind="result",
         summary=f"the return value (a {kind}) cannot be pickled: {exc}",
+        log_bytes=os.fstat(2).st_size,
         host=socket.gethostname(),
         pid=os.getpid(),
         exitcode=1,

@@ -44,6 +44,7 @@ class RankFailure:
     exitcode: int | None = None
     time: float = 0.0
     collateral: bool = False  # a communication error, most likely caused by another rank
+    log_bytes: int | None = None  # size of the rank's log when it failed
     log_tail: list[str] = field(default_factory=list)
     exception: bytes | None = None  # cloudpickle of the original exception, when it pickled
 
@@ -91,14 +92,19 @@ class RunFailedError(GpufleetError, RuntimeError):
         return sorted(f.rank for f in self.failures)
 
     def _default_headline(self) -> str:
-        n = len(self.failures)
-        return f"{n} of {self.world_size} rank{'s' if self.world_size != 1 else ''} failed"
+        n = sum(not f.collateral for f in self.failures) or len(self.failures)
+        echoes = len(self.failures) - n
+        more = f" ({echoes} more with a communication error)" if echoes else ""
+        return f"{n} of {self.world_size} rank{'s' if self.world_size != 1 else ''} failed{more}"
 
     def _render(self) -> str:
         lines = [f"{self.headline} (run folder {self.run_dir})"]
         for i, (ranks, failure) in enumerate(group_failures(self.failures)):
             label = "root cause" if i == 0 else "also"
             lines += ["", f"{label}: {_ranks_label(ranks)}: {describe(failure)}"]
+            if i > 0 and failure.collateral:
+                lines.append("(a communication error: most likely the echo of the failure above)")
+                continue
             if failure.traceback:
                 lines.append(failure.traceback.rstrip())
             if failure.log_tail:

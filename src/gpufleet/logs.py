@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-import collections
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-TAIL_LINES = 20
+TAIL_LINES = 15
+TAIL_BYTES = 64 * 1024
+
+
+def tail_lines(path: Path, end: int | None = None, count: int = TAIL_LINES) -> list[str]:
+    """The last ``count`` lines of a log, up to byte ``end`` (all of it when None)."""
+    try:
+        with open(path, "rb") as f:
+            stop = f.seek(0, 2) if end is None else end
+            f.seek(max(0, stop - TAIL_BYTES))
+            data = f.read(stop - f.tell())
+    except FileNotFoundError:
+        return []
+    lines = data.decode(errors="replace").splitlines()
+    return lines[-count:]
 
 
 class _RankLog:
@@ -16,7 +29,6 @@ class _RankLog:
         self.path = path
         self.file = None
         self.partial = b""
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def read_lines(self, final: bool) -> list[str]:
         if self.file is None:
@@ -29,9 +41,7 @@ class _RankLog:
         if final and self.partial:
             lines.append(self.partial)
             self.partial = b""
-        text = [line.decode(errors="replace").rstrip("\r") for line in lines]
-        self.tail.extend(text)
-        return text
+        return [line.decode(errors="replace").rstrip("\r") for line in lines]
 
     def close(self) -> None:
         if self.file is not None:
@@ -63,9 +73,6 @@ class LogFollower:
                 printed = True
         if printed:
             out.flush()
-
-    def tail(self, rank: int) -> list[str]:
-        return list(self._logs[rank].tail)
 
     def close(self) -> None:
         self.poll(final=True)

@@ -9,6 +9,7 @@ private to the user and only loaded from files the user owns.
 from __future__ import annotations
 
 import io
+import linecache
 import os
 import pickle
 import stat
@@ -16,19 +17,37 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from collections import ChainMap
 from typing import Any
 
 import cloudpickle
+from cloudpickle import cloudpickle as _cloudpickle_impl
 
 from gpufleet.errors import GpufleetError, PayloadError
 
 LARGE_PAYLOAD_BYTES = 256 * 2**20
 
 
+def _code_reduce_keeping_filename(code: types.CodeType):
+    """cloudpickle blanks ``co_filename``; keep it so remote tracebacks name the real file."""
+    rebuild, args = _cloudpickle_impl._code_reduce(code)
+    return rebuild, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _CallPickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap(
+        {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
+    )
+
+
 def dump_call(fn, args: tuple, kwargs: dict) -> bytes:
-    """Pickle the call, or raise PayloadError naming the value that cannot travel."""
+    """Pickle the call, or raise PayloadError naming the value that cannot travel.
+
+    Source lines that exist only in this process's linecache (notebook cells, ``python -c``)
+    travel too, so that tracebacks from the ranks show the code.
+    """
     try:
-        data = cloudpickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        data = _dumps(_CallPickler, (fn, args, kwargs, _unsaved_sources(fn)))
     except Exception as exc:
         raise PayloadError(_diagnose(fn, args, kwargs, exc)) from exc
     if len(data) > LARGE_PAYLOAD_BYTES:
@@ -38,6 +57,26 @@ def dump_call(fn, args: tuple, kwargs: dict) -> bytes:
             stacklevel=4,
         )
     return data
+
+
+def _unsaved_sources(fn) -> dict[str, list[str]]:
+    filename = getattr(getattr(fn, "__code__", None), "co_filename", "")
+    if not filename or os.path.exists(filename):
+        return {}
+    lines = linecache.getlines(filename)
+    return {filename: lines} if lines else {}
+
+
+def install_sources(sources: dict[str, list[str]]) -> None:
+    """Make shipped source lines visible to ``traceback`` in this process."""
+    for filename, lines in sources.items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
+def _dumps(pickler_class, obj) -> bytes:
+    buffer = io.BytesIO()
+    pickler_class(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _diagnose(fn, args: tuple, kwargs: dict, exc: Exception) -> str:
@@ -94,9 +133,7 @@ class _ResultPickler(cloudpickle.Pickler):
 
 
 def dump_result(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _ResultPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
+    return _dumps(_ResultPickler, value)
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -12,7 +12,7 @@ import time
 
 from gpufleet import _process
 from gpufleet.errors import RankFailure, RunFailedError, RunTimeoutError
-from gpufleet.logs import LogFollower
+from gpufleet.logs import LogFollower, tail_lines
 from gpufleet.options import RunOptions
 from gpufleet.payload import load_private
 from gpufleet.rundir import RunDir
@@ -45,7 +45,7 @@ class Supervisor:
             self._sweep()
         if not finished:
             raise self._timeout_error()
-        return collect(self.run, self.world_size, self.follower)
+        return collect(self.run, self.world_size)
 
     def _follow(self, deadline: float | None) -> bool:
         while self.agent.poll() is None:
@@ -83,7 +83,7 @@ class Supervisor:
                 rank=rank,
                 kind="timeout",
                 summary="still running when the timeout expired",
-                log_tail=self.follower.tail(rank)[-5:],
+                log_tail=tail_lines(self.run.log(rank), count=5),
             )
             for rank in range(self.world_size)
             if rank not in finished
@@ -98,7 +98,7 @@ class Supervisor:
         )
 
 
-def collect(run: RunDir, world_size: int, follower: LogFollower) -> list:
+def collect(run: RunDir, world_size: int) -> list:
     """Results in rank order, or RunFailedError with the root cause first."""
     report = _read_report(run)
     values, failures = {}, []
@@ -108,7 +108,7 @@ def collect(run: RunDir, world_size: int, follower: LogFollower) -> list:
             values[rank] = item
             continue
         failure = item or _death(rank, report)
-        failure.log_tail = follower.tail(rank)
+        failure.log_tail = tail_lines(run.log(rank), end=failure.log_bytes)
         failures.append(failure)
     if not failures:
         return [values[rank] for rank in range(world_size)]
