@@ -61,7 +61,8 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch
     The backend is nccl on GPUs and gloo on CPU unless ``backend`` says otherwise (for
     example ``"cpu:gloo,cuda:nccl"``). ``timeout`` (seconds) bounds every collective. Calling
     it again, or after user code already called ``init_process_group``, changes nothing. In a
-    direct call (no launcher) it only picks the device.
+    direct call (no launcher) it creates a process group of one process, with no network, so
+    that collectives and DDP in the function still work.
     """
     import torch
     import torch.distributed as dist
@@ -69,12 +70,18 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch
     device = _device(torch)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if _environ.is_launched() and dist.is_available() and not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
-            device_id=device if device.type == "cuda" else None,
-            timeout=datetime.timedelta(seconds=timeout) if timeout else None,
-        )
+    if not dist.is_available() or dist.is_initialized():
+        return device
+    options = {
+        "backend": backend or ("nccl" if device.type == "cuda" else "gloo"),
+        "device_id": device if device.type == "cuda" else None,
+        "timeout": datetime.timedelta(seconds=timeout) if timeout else None,
+    }
+    if not _environ.is_launched():
+        # A direct call: a world of one, with an in-memory store, so that collectives and DDP
+        # in the function work unchanged and no port is opened.
+        options.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**options)
     return device
 
 
