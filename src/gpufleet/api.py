@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 
 from gpufleet import hardware, launchers
 from gpufleet.errors import ConfigError
-from gpufleet.options import RunOptions
+from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
 from gpufleet.supervisor import Supervisor
@@ -52,6 +52,7 @@ class DistributedFunction(Generic[R]):
         """
         opts = self._options
         placement = hardware.place(opts.gpus, opts.gpu_type)
+        check_world(opts, placement.nprocs)
         payload = dump_call(self._fn, args, kwargs)
         run = RunDir.create(opts.runs_dir, self.__name__)
         write_private(run.payload, payload)

@@ -81,7 +81,10 @@ class RunFailedError(GpufleetError, RuntimeError):
         super().__init__(self._render())
 
     def __reduce__(self):
-        return (_rebuild_run_error, (type(self), self.__dict__))
+        return (
+            _rebuild_run_error,
+            (type(self), self.failures, self.run_dir, self.world_size, self.stopped, self.headline),
+        )
 
     @property
     def root_cause(self) -> RankFailure | None:
@@ -120,11 +123,8 @@ class RunTimeoutError(RunFailedError, TimeoutError):
     """The call ran past ``timeout=`` seconds; every rank was stopped."""
 
 
-def _rebuild_run_error(cls, state):
-    error = cls.__new__(cls)
-    error.__dict__.update(state)
-    Exception.__init__(error, error._render())
-    return error
+def _rebuild_run_error(cls, failures, run_dir, world_size, stopped, headline):
+    return cls(failures, run_dir=run_dir, world_size=world_size, stopped=stopped, headline=headline)
 
 
 def describe(failure: RankFailure) -> str:

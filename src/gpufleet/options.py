@@ -56,6 +56,15 @@ class RunOptions:
         return rank in self.logs
 
 
+def check_world(options: RunOptions, world_size: int) -> None:
+    """Checks that need the number of ranks, made once the machine has been looked at."""
+    if isinstance(options.logs, tuple) and any(r >= world_size for r in options.logs):
+        raise ConfigError(
+            f"logs={list(options.logs)} names ranks the run does not have: it has {world_size} "
+            f"ranks, 0 to {world_size - 1}"
+        )
+
+
 def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(RunOptions)]
 
