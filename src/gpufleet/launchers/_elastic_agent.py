@@ -1,8 +1,11 @@
 """The local engine's process: ``python -m gpufleet.launchers._elastic_agent RUN_DIR``.
 
-It runs torch.distributed.elastic exactly as torchrun does (same agent, c10d rendezvous on a
-free loopback port, fail-fast) with gpufleet's worker as the binary entry point, and writes
-``agent.json``: the state and every failed rank's exit code.
+It runs torch.distributed.elastic's agent, as torchrun does, with gpufleet's worker as the
+binary entry point, and writes ``agent.json``: the state and every failed rank's exit code.
+
+The rendezvous is elastic's static TCP rendezvous with one change: its store, which the ranks
+also use as MASTER_PORT, listens on 127.0.0.1 only, on a port the kernel picks while binding
+(no pick-then-bind race), so no other host can reach a single-node run's store.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import traceback
 from pathlib import Path
@@ -20,6 +24,8 @@ from gpufleet.rundir import RunDir
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
+RENDEZVOUS_BACKEND = "gpufleet-loopback"
+LOOPBACK = "127.0.0.1"
 
 
 def main(argv: list[str]) -> None:
@@ -38,15 +44,16 @@ def _launch(run: RunDir, nprocs: int) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _register_loopback_rendezvous()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
         run_id=run.name,
         role="gpufleet",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        local_addr="127.0.0.1",
+        rdzv_backend=RENDEZVOUS_BACKEND,
+        rdzv_endpoint=f"{LOOPBACK}:0",
+        local_addr=LOOPBACK,
         max_restarts=0,
         monitor_interval=MONITOR_INTERVAL,
         shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
@@ -63,6 +70,40 @@ def _launch(run: RunDir, nprocs: int) -> dict:
     except Exception:
         return {"state": "error", "error": traceback.format_exc()}
     return {"state": "succeeded"}
+
+
+def _register_loopback_rendezvous() -> None:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    class LoopbackRendezvous(StaticTCPRendezvous):
+        """One node; the store listens on a loopback socket bound before the store starts."""
+
+        def get_backend(self) -> str:
+            return RENDEZVOUS_BACKEND
+
+        def next_rendezvous(self):
+            if self._store is None:
+                listener = socket.create_server((LOOPBACK, 0), backlog=512)
+                self._listener = listener  # the store serves on its fd: keep it open
+                self.master_port = listener.getsockname()[1]
+                self._store = TCPStore(
+                    LOOPBACK,
+                    self.master_port,
+                    1,
+                    True,
+                    self.timeout,
+                    multi_tenant=True,
+                    master_listen_fd=listener.fileno(),
+                )
+            return super().next_rendezvous()
+
+    def create(params):
+        timeout = params.get_as_int("timeout", 900)
+        return LoopbackRendezvous(LOOPBACK, 0, 0, 1, params.run_id, timeout)
+
+    rendezvous_handler_registry.register(RENDEZVOUS_BACKEND, create)
 
 
 def _failures(exc) -> dict:
