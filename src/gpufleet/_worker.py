@@ -59,8 +59,7 @@ def _send_output_to(log: Path) -> None:
 
 def _run(run: RunDir, rank: int) -> tuple:
     try:
-        fn, args, kwargs, sources = payload.load_private(run.payload)
-        payload.install_sources(sources)
+        fn, args, kwargs = payload.load_call(run.payload)
         return ("ok", fn(*args, **kwargs))
     except SystemExit as exc:
         if exc.code in (None, 0):

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from gpufleet import hardware, launchers
+from gpufleet import hardware, launchers, runtime
 from gpufleet.errors import ConfigError
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
@@ -26,7 +26,7 @@ class DistributedFunction(Generic[R]):
     def __init__(self, fn: Callable[..., R], options: RunOptions):
         if not callable(fn):
             raise ConfigError(
-                f"@distributed decorates a function, got {fn!r} (a {type(fn).__name__}); "
+                f"@distributed decorates a function, got {fn!r} (of type {type(fn).__name__}); "
                 "put it on a `def`"
             )
         self._fn = fn
@@ -38,7 +38,8 @@ class DistributedFunction(Generic[R]):
         return self._options
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
-        return self._fn(*args, **kwargs)
+        with runtime._direct_call():
+            return self._fn(*args, **kwargs)
 
     def options(self, **changes: Any) -> "DistributedFunction[R]":
         """The same function with some options changed: ``train.options(gpus=1).distributed()``."""

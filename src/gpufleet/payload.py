@@ -43,20 +43,32 @@ class _CallPickler(cloudpickle.Pickler):
 def dump_call(fn, args: tuple, kwargs: dict) -> bytes:
     """Pickle the call, or raise PayloadError naming the value that cannot travel.
 
-    Source lines that exist only in this process's linecache (notebook cells, ``python -c``)
-    travel too, so that tracebacks from the ranks show the code.
+    The caller's ``sys.path`` travels with it, so functions and modules the caller imports
+    from its script's folder import in the ranks too. Source lines that exist only in this
+    process's linecache (notebook cells, ``python -c``) travel as well, so that tracebacks
+    from the ranks show the code.
     """
     try:
-        data = _dumps(_CallPickler, (fn, args, kwargs, _unsaved_sources(fn)))
+        call = _dumps(_CallPickler, (fn, args, kwargs))
     except Exception as exc:
         raise PayloadError(_diagnose(fn, args, kwargs, exc)) from exc
-    if len(data) > LARGE_PAYLOAD_BYTES:
+    if len(call) > LARGE_PAYLOAD_BYTES:
         warnings.warn(
-            f"the arguments of {_name(fn)} pickle to {len(data) / 2**20:.0f} MiB and are copied "
+            f"the arguments of {_name(fn)} pickle to {len(call) / 2**20:.0f} MiB and are copied "
             "to every rank; load large data inside the function instead",
             stacklevel=4,
         )
-    return data
+    context = {"sys_path": list(sys.path), "sources": _unsaved_sources(fn)}
+    return pickle.dumps((context, call), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load_call(path: Path) -> tuple:
+    """In a rank: recreate the caller's import path and sources, then unpickle the call."""
+    context, call = load_private(path)
+    sys.path[:] = context["sys_path"] + [p for p in sys.path if p not in context["sys_path"]]
+    for filename, lines in context["sources"].items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return cloudpickle.loads(call)
 
 
 def _unsaved_sources(fn) -> dict[str, list[str]]:
@@ -65,12 +77,6 @@ def _unsaved_sources(fn) -> dict[str, list[str]]:
         return {}
     lines = linecache.getlines(filename)
     return {filename: lines} if lines else {}
-
-
-def install_sources(sources: dict[str, list[str]]) -> None:
-    """Make shipped source lines visible to ``traceback`` in this process."""
-    for filename, lines in sources.items():
-        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
 def _dumps(pickler_class, obj) -> bytes:

@@ -6,7 +6,9 @@ and in a direct (undistributed) call, where they describe a world of one process
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import sys
 from typing import TYPE_CHECKING
 
 from gpufleet import _environ
@@ -62,7 +64,7 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch
     example ``"cpu:gloo,cuda:nccl"``). ``timeout`` (seconds) bounds every collective. Calling
     it again, or after user code already called ``init_process_group``, changes nothing. In a
     direct call (no launcher) it creates a process group of one process, with no network, so
-    that collectives and DDP in the function still work.
+    that collectives and DDP in the function still work; the call closes it when it returns.
     """
     import torch
     import torch.distributed as dist
@@ -90,3 +92,17 @@ def _device(torch) -> "torch.device":
     if wants_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", get_local_rank())
+
+
+@contextlib.contextmanager
+def _direct_call():
+    """Around a direct (undistributed) call: close the world of one that setup() may open,
+    so the caller's process is left as it was."""
+    dist = sys.modules.get("torch.distributed")
+    had_group = dist is not None and dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        dist = sys.modules.get("torch.distributed")
+        if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -107,7 +107,7 @@ def collect(run: RunDir, world_size: int) -> list:
         if status == "ok":
             values[rank] = item
             continue
-        failure = item or _death(rank, report)
+        failure = item or _death(run, rank, report)
         failure.log_tail = tail_lines(run.log(rank), end=failure.log_bytes)
         failures.append(failure)
     if not failures:
@@ -129,15 +129,15 @@ def _read_report(run: RunDir) -> dict:
         return {"state": "lost"}
 
 
-def _death(rank: int, report: dict) -> RankFailure:
+def _death(run: RunDir, rank: int, report: dict) -> RankFailure:
     info = report.get("failures", {}).get(str(rank))
     if info is None:
-        detail = report.get("error") or f"the launcher ended in state {report.get('state')!r}"
+        detail = report.get("error") or "\n".join(tail_lines(run.agent_log))
         return RankFailure(
             rank=rank,
             kind="lost",
-            summary="ended without a result or an exit code (the launcher stopped first)",
-            traceback=detail if "error" in report else "",
+            summary=f"no result: the launcher stopped first (its log: {run.agent_log})",
+            traceback=detail,
         )
     code = info["exitcode"]
     failure = RankFailure(

@@ -10,6 +10,7 @@ also use as MASTER_PORT, listens on 127.0.0.1 only, on a port the kernel picks w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -39,13 +40,27 @@ def main(argv: list[str]) -> None:
 
 
 def _launch(run: RunDir, nprocs: int) -> dict:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    _register_loopback_rendezvous()
-    config = LaunchConfig(
+    try:
+        _register_loopback_rendezvous()
+        elastic_launch(_config(run, nprocs), sys.executable)("-m", "gpufleet._worker", str(run.path))
+    except ChildFailedError as exc:
+        return {"state": "failed", "failures": _failures(exc)}
+    except SignalException as exc:
+        return {"state": "stopped", "signal": exc.sigval.name}
+    except Exception:
+        return {"state": "error", "error": traceback.format_exc()}
+    return {"state": "succeeded"}
+
+
+def _config(run: RunDir, nprocs: int):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    options = dict(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
@@ -56,20 +71,12 @@ def _launch(run: RunDir, nprocs: int) -> dict:
         local_addr=LOOPBACK,
         max_restarts=0,
         monitor_interval=MONITOR_INTERVAL,
-        shutdown_timeout=SHUTDOWN_GRACE_SECONDS,
-        logs_specs=DefaultLogsSpecs(
-            log_dir=str(run.elastic_logs), redirects=Std.NONE, tee=Std.NONE
-        ),
+        shutdown_timeout=SHUTDOWN_GRACE_SECONDS,  # newer torch only; older ones wait 30 s
+        logs_specs=DefaultLogsSpecs(log_dir=str(run.elastic_logs), redirects=Std.NONE, tee=Std.NONE),
     )
-    try:
-        elastic_launch(config, sys.executable)("-m", "gpufleet._worker", str(run.path))
-    except ChildFailedError as exc:
-        return {"state": "failed", "failures": _failures(exc)}
-    except SignalException as exc:
-        return {"state": "stopped", "signal": exc.sigval.name}
-    except Exception:
-        return {"state": "error", "error": traceback.format_exc()}
-    return {"state": "succeeded"}
+    # torch>=2.4 is supported: leave out what this version's LaunchConfig does not have yet.
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return LaunchConfig(**{k: v for k, v in options.items() if k in known})
 
 
 def _register_loopback_rendezvous() -> None:

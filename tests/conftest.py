@@ -1,0 +1,72 @@
+"""Fixtures: process-leak detection for every test, temp run folders, scripts in subprocesses.
+
+Every test is checked for processes left behind: a background sampler records every descendant
+of the test process while the test runs (so a rank orphaned when its parent died is still known),
+and at teardown every recorded process must be gone after a short grace. Scripts started with
+`start_script` / `run_script` are descendants too, so their whole trees are checked the same way.
+
+Functions sent to ranks are defined inside the test functions, as a notebook user defines them
+in a cell: cloudpickle then sends them by value together with the globals they use.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from support import (LEFTOVER_GRACE_S, DescendantSampler, Script, ScriptResult, describe,
+                     kill_all, wait_gone)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Fail the test if it leaves any process it started (directly or not) running."""
+    sampler = DescendantSampler()
+    sampler.start()
+    yield sampler
+    sampler.stop()
+    left = wait_gone(sampler.started_since(), LEFTOVER_GRACE_S)
+    if left:
+        names = "\n  ".join(describe(p) for p in left)
+        kill_all(left)
+        pytest.fail(f"{len(left)} process(es) still running {LEFTOVER_GRACE_S:.0f} s after the "
+                    f"test ended:\n  {names}", pytrace=False)
+
+
+@pytest.fixture
+def runs_dir(tmp_path) -> Path:
+    """Where run folders go in tests (never the user's home folder)."""
+    return tmp_path / "runs"
+
+
+@pytest.fixture
+def start_script(tmp_path):
+    """start_script(code_or_path, *args, cwd=None, env=None, new_session=False) -> Script."""
+    started: list[Script] = []
+
+    def start(source, *args, cwd=None, env=None, new_session=False) -> Script:
+        if isinstance(source, Path):
+            path = source
+        else:
+            path = tmp_path / f"script_{len(started)}.py"
+            path.write_text(textwrap.dedent(source))
+        script = Script([path, *args], tmp_path, cwd=cwd, env=env, new_session=new_session)
+        started.append(script)
+        return script
+
+    yield start
+    for script in started:
+        if script.popen.poll() is None:
+            script.kill()
+
+
+@pytest.fixture
+def run_script(start_script):
+    """run_script(code_or_path, *args, timeout=60, ...) -> ScriptResult, run to completion."""
+
+    def run(source, *args, timeout: float = 60, **kwargs) -> ScriptResult:
+        return start_script(source, *args, **kwargs).wait(timeout)
+
+    return run

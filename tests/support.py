@@ -1,0 +1,248 @@
+"""Helpers shared by the tests: process trees, run folders, output parsing, scripts.
+
+Scripts run in subprocesses write their output to files that the tests poll, and every
+descendant of a script seen while it ran is remembered, so a test can check that the whole tree
+(script -> agent -> ranks) is gone afterwards, even processes that were re-parented when their
+parent died.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+PYTHON = sys.executable
+
+# How long processes may linger after a test body or a script ends before they count as left
+# behind.
+LEFTOVER_GRACE_S = 2.0
+SAMPLE_EVERY_S = 0.05
+
+# Heavy optional dependencies that `import gpufleet` must not pull in.
+HEAVY_MODULES = ("ray", "deepspeed", "mlflow", "transformers", "lightning", "pytorch_lightning",
+                 "accelerate")
+
+
+def running(proc: psutil.Process) -> bool:
+    """True if the process still exists (same pid *and* start time) and is not a zombie."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def describe(proc: psutil.Process) -> str:
+    try:
+        return f"pid {proc.pid}: {' '.join(proc.cmdline())[:200]}"
+    except psutil.Error:
+        return f"pid {proc.pid}"
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def wait_gone(procs, timeout: float) -> list[psutil.Process]:
+    """Wait up to `timeout` s for every process to end; return those still running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def assert_all_gone(procs, grace: float = LEFTOVER_GRACE_S, what: str = "processes") -> None:
+    left = wait_gone(procs, grace)
+    kill_all(left)
+    assert not left, f"{what} still running:\n" + "\n".join(map(describe, left))
+
+
+class DescendantSampler:
+    """Records every descendant of this process seen until stop()."""
+
+    def __init__(self) -> None:
+        self.before = {(p.pid, p.create_time()) for p in descendants() if running(p)}
+        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="leak-sampler", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(SAMPLE_EVERY_S)
+
+    def sample(self) -> None:
+        for p in descendants():
+            try:
+                self.seen.setdefault((p.pid, p.create_time()), p)
+            except psutil.Error:
+                pass
+
+    def started_since(self) -> list[psutil.Process]:
+        """Processes seen that were not already running when the sampler was made."""
+        self.sample()
+        return [p for key, p in self.seen.items() if key not in self.before]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+# ---------------------------------------------------------------------------- run output
+
+
+def run_folders(runs_dir: Path) -> list[Path]:
+    return sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.exists() else []
+
+
+def line_of(path: str | Path, marker: str) -> int:
+    """1-based number of the only line of `path` that ends with the comment `# marker`."""
+    lines = [i for i, text in enumerate(Path(path).read_text().splitlines(), 1)
+             if text.rstrip().endswith(f"# {marker}")]
+    assert len(lines) == 1, f"marker {marker!r} found on lines {lines}"
+    return lines[0]
+
+
+def rank_lines(text: str, rank: int) -> list[str]:
+    """The lines printed as `[rank N] ...`, without the prefix."""
+    prefix = f"[rank {rank}] "
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def prefixed_ranks(text: str) -> set[int]:
+    return {int(m) for m in re.findall(r"^\[rank (\d+)\]", text, flags=re.M)}
+
+
+def rank_processes(pid_dir: Path) -> list[psutil.Process]:
+    """The processes whose pids the ranks wrote into pid_dir (one `rank-N` file each)."""
+    procs = []
+    for f in sorted(Path(pid_dir).glob("rank-*")):
+        try:
+            procs.append(psutil.Process(int(f.read_text())))
+        except psutil.NoSuchProcess:
+            pass  # already gone
+    return procs
+
+
+# ---------------------------------------------------------------------------- subprocesses
+
+
+def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Environment for scripts: unbuffered output and a private HOME, so nothing lands in ~."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env.update(PYTHONUNBUFFERED="1", HOME=str(home), **extra)
+    return env
+
+
+@dataclass
+class ScriptResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+    tree: list[psutil.Process]  # every descendant of the script seen while it ran
+
+    def explain(self) -> str:
+        return f"exit {self.returncode}\n--- stdout:\n{self.stdout}\n--- stderr:\n{self.stderr}"
+
+
+class Script:
+    """`python ARGV...` in a subprocess, with stdout/stderr in files that can be polled."""
+
+    def __init__(self, argv, tmp_path: Path, *, cwd=None, env=None, new_session=False):
+        tag = time.monotonic_ns()
+        self.out_path = tmp_path / f"script-{tag}.out"
+        self.err_path = tmp_path / f"script-{tag}.err"
+        self.tree: dict[tuple[int, float], psutil.Process] = {}
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.popen = subprocess.Popen(
+                [PYTHON, *map(str, argv)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=cwd or tmp_path,
+                env=env or script_env(tmp_path),
+                start_new_session=new_session,
+            )
+        self.started = time.monotonic()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def sample_tree(self) -> list[psutil.Process]:
+        for p in descendants(self.pid):
+            try:
+                self.tree.setdefault((p.pid, p.create_time()), p)
+            except psutil.Error:
+                pass
+        return list(self.tree.values())
+
+    def wait_for_output(self, predicate, timeout: float) -> str:
+        """Poll stdout until predicate(stdout) holds; fail if the script ends or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.sample_tree()
+            out = self.stdout()
+            if predicate(out):
+                return out
+            if self.popen.poll() is not None:
+                pytest.fail(f"script exited ({self.popen.returncode}) before the expected "
+                            f"output\n--- stdout:\n{out}\n--- stderr:\n{self.stderr()}")
+            time.sleep(0.05)
+        self.kill()
+        pytest.fail(f"expected output not seen in {timeout} s\n--- stdout:\n{self.stdout()}\n"
+                    f"--- stderr:\n{self.stderr()}")
+
+    def wait(self, timeout: float) -> ScriptResult:
+        deadline = time.monotonic() + timeout
+        while self.popen.poll() is None:
+            self.sample_tree()
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"script still running after {timeout} s\n--- stdout:\n"
+                            f"{self.stdout()}\n--- stderr:\n{self.stderr()}")
+            time.sleep(0.05)
+        return ScriptResult(self.popen.returncode, self.stdout(), self.stderr(),
+                            time.monotonic() - self.started, list(self.tree.values()))
+
+    def kill(self) -> None:
+        tree = self.sample_tree()
+        self.popen.kill()
+        kill_all(tree)
+        self.popen.wait()
