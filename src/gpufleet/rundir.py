@@ -22,7 +22,7 @@ class RunDir:
     def create(cls, runs_dir: Path | None, name: str) -> "RunDir":
         """A new private folder under ``runs_dir`` (default ``$GPUFLEET_HOME/runs``)."""
         root = runs_dir or _environ.gpufleet_home() / "runs"
-        _ensure_private_root(root)
+        ensure_private_dir(root)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = root / f"{_safe(name)}-{stamp}-{secrets.token_hex(3)}"
         path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
@@ -60,18 +60,19 @@ class RunDir:
         return self.path / "pids" / f"rank-{rank}.pid"
 
 
-def _ensure_private_root(root: Path) -> None:
+def ensure_private_dir(root: Path) -> None:
+    """Create ``root`` if needed; refuse one that another user owns or could write to."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = root.lstat()
     if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
         raise ConfigError(
-            f"runs_dir {root} must be a real folder owned by you (uid {os.getuid()}); "
-            "choose another runs_dir or set GPUFLEET_HOME"
+            f"{root} must be a real folder owned by you (uid {os.getuid()}); "
+            "choose another folder or set GPUFLEET_HOME"
         )
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise ConfigError(
-            f"runs_dir {root} is writable by other users (mode {oct(info.st_mode & 0o777)}); "
-            f"run `chmod 700 {root}` or choose another runs_dir"
+            f"{root} is writable by other users (mode {oct(info.st_mode & 0o777)}); "
+            f"run `chmod 700 {root}` or choose another folder"
         )
 
 
