@@ -13,6 +13,7 @@ from pathlib import Path
 RUN_DIR = "GPUFLEET_RUN_DIR"
 DEVICE = "GPUFLEET_DEVICE"  # "cuda" or "cpu": what the launcher decided for this run
 PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must die with
+UMASK = "GPUFLEET_UMASK"  # the caller's umask, for user code in the ranks
 
 
 def int_var(name: str, default: int) -> int:
@@ -57,6 +58,11 @@ def run_dir() -> Path | None:
 def parent_pid() -> int | None:
     value = os.environ.get(PARENT_PID)
     return int(value) if value else None
+
+
+def caller_umask() -> int | None:
+    value = os.environ.get(UMASK)
+    return int(value, 8) if value else None
 
 
 def gpufleet_home() -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gpufleet import _environ, _process, payload
 from gpufleet.errors import RankFailure
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import RunDir, check_private_dir
 
 EXIT_GRACE_SECONDS = 30
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
@@ -38,6 +38,9 @@ def main(argv: list[str]) -> None:
     rank = _environ.rank()
     _process.die_with_parent(signal.SIGKILL, _environ.parent_pid())
     _send_output_to(run.log(rank))
+    umask = _environ.caller_umask()
+    if umask is not None:
+        os.umask(umask)
     payload.write_private(run.pid_file(rank), str(os.getpid()).encode())
     outcome = _run(run, rank)
     try:
@@ -50,7 +53,7 @@ def main(argv: list[str]) -> None:
 
 
 def _send_output_to(log: Path) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -59,6 +62,7 @@ def _send_output_to(log: Path) -> None:
 
 def _run(run: RunDir, rank: int) -> tuple:
     try:
+        check_private_dir(run.path)  # refuse a run folder that someone else could have planted
         fn, args, kwargs = payload.load_call(run.payload)
         return ("ok", fn(*args, **kwargs))
     except SystemExit as exc:

@@ -63,16 +63,23 @@ class RunDir:
 def ensure_private_dir(root: Path) -> None:
     """Create ``root`` if needed; refuse one that another user owns or could write to."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = root.lstat()
-    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+    check_private_dir(root, writable_only=True)
+
+
+def check_private_dir(path: Path, writable_only: bool = False) -> None:
+    """Raise unless ``path`` is a real folder of this user that nobody else can write to
+    (nor, unless ``writable_only``, read)."""
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         raise ConfigError(
-            f"{root} must be a real folder owned by you (uid {os.getuid()}); "
+            f"{path} must be a real folder owned by you (uid {os.getuid()}); "
             "choose another folder or set GPUFLEET_HOME"
         )
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    forbidden = (stat.S_IWGRP | stat.S_IWOTH) if writable_only else 0o077
+    if info.st_mode & forbidden:
         raise ConfigError(
-            f"{root} is writable by other users (mode {oct(info.st_mode & 0o777)}); "
-            f"run `chmod 700 {root}` or choose another folder"
+            f"{path} is open to other users (mode {oct(info.st_mode & 0o777)}); "
+            f"run `chmod 700 {path}` or choose another folder"
         )
 
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 from gpufleet import _process
-from gpufleet.errors import RankFailure, RunFailedError, RunTimeoutError
+from gpufleet.errors import GpufleetError, RankFailure, RunFailedError, RunTimeoutError
 from gpufleet.logs import LogFollower, tail_lines
 from gpufleet.options import RunOptions
 from gpufleet.payload import load_private
@@ -119,7 +119,18 @@ def collect(run: RunDir, world_size: int) -> list:
 
 def _read_result(run: RunDir, rank: int) -> tuple[str, object]:
     path = run.result(rank)
-    return load_private(path) if path.exists() else ("missing", None)
+    if not path.exists():
+        return ("missing", None)
+    try:
+        return load_private(path)
+    except GpufleetError:
+        raise
+    except Exception as exc:
+        raise GpufleetError(
+            f"the result file of rank {rank} ({path}) is damaged and was not loaded: "
+            f"{type(exc).__name__}: {exc}. It was written whole and renamed into place, so "
+            "something changed it afterwards; run the call again"
+        ) from exc
 
 
 def _read_report(run: RunDir) -> dict:

@@ -34,6 +34,8 @@ def main(argv: list[str]) -> None:
     _process.die_with_parent(signal.SIGTERM, _environ.parent_pid())
     spec = json.loads((run.path / "launch.json").read_text())
     os.environ[_environ.PARENT_PID] = str(os.getpid())  # workers die with this process
+    # Everything elastic writes into the run folder is private; ranks get the caller's umask back.
+    os.environ[_environ.UMASK] = f"{os.umask(0o077):o}"
     report = _launch(run, spec["nprocs"])
     write_private(run.agent_report, json.dumps(report).encode())
     sys.exit(0 if report["state"] == "succeeded" else 1)

@@ -19,6 +19,9 @@ from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
 
+LOOPBACK_INTERFACE = "lo"
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     argv: list[str]
@@ -40,6 +43,10 @@ def plan(run: RunDir, placement: Placement, options: RunOptions) -> LaunchPlan:
     )
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // placement.nprocs))
+    # One machine: gloo's and NCCL's bootstrap sockets listen on loopback only (NCCL still
+    # moves data over NVLink / shared memory). Users who set these keep their choice.
+    env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     argv = [sys.executable, "-m", "gpufleet.launchers._elastic_agent", str(run.path)]
     return LaunchPlan(argv=argv, env=env, nprocs=placement.nprocs)
 

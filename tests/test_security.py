@@ -1,0 +1,153 @@
+"""docs/security.md, checked: private run folders, untrusted payloads refused, loopback-only
+sockets, secrets kept off disk, damaged results refused."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from gpufleet import GpufleetError, distributed, runtime
+from gpufleet.payload import dump_call, write_private
+from gpufleet.rundir import RunDir
+from gpufleet.supervisor import collect
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_every_file_and_folder_of_a_run_is_private(tmp_path):
+    def work():
+        runtime.setup(timeout=30)
+        print("a log line")
+        return runtime.get_global_rank()
+
+    runs = tmp_path / "runs"
+    distributed(gpus=2, runs_dir=runs, logs="none")(work).distributed()
+
+    (run,) = runs.iterdir()
+    entries = [run, *run.rglob("*")]
+    assert len(entries) > 10
+    for path in entries:
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        expected = 0o700 if path.is_dir() else 0o600
+        assert mode == expected, f"{path.relative_to(runs)} has mode {oct(mode)}"
+
+
+def test_a_runs_folder_others_can_write_is_refused_before_launch(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+
+    with pytest.raises(GpufleetError, match="chmod 700"):
+        distributed(gpus=2, runs_dir=shared)(lambda: None).distributed()
+    assert list(shared.iterdir()) == []
+
+
+def _planted_run(tmp_path, marker):
+    """A run folder as gpufleet makes it, with a payload that would create ``marker``."""
+    run = RunDir.create(tmp_path / "runs", "planted")
+    write_private(run.payload, dump_call(lambda: open(marker, "w").close(), (), {}))
+    return run
+
+
+def _start_rank(run):
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    cmd = [sys.executable, "-m", "gpufleet._worker", str(run.path)]
+    return subprocess.run(cmd, env=env, timeout=60)
+
+
+@pytest.mark.parametrize("tamper", ["group-writable payload", "foreign owner", "open folder"])
+def test_a_rank_refuses_a_payload_it_cannot_trust(tmp_path, tamper):
+    marker = tmp_path / "payload-ran"
+    run = _planted_run(tmp_path, marker)
+    if tamper == "group-writable payload":
+        run.payload.chmod(0o660)
+    elif tamper == "foreign owner":
+        if os.getuid() != 0:
+            pytest.skip("changing a file's owner needs root")
+        os.chown(run.payload, 4242, 4242)
+    else:
+        run.path.chmod(0o755)
+
+    assert _start_rank(run).returncode != 0
+    assert not marker.exists(), "the untrusted payload was executed"
+    status, failure = pickle.loads(run.result(0).read_bytes())
+    assert status == "error"
+    assert any(s in failure.summary for s in ("refusing to load", "open to other users")), (
+        failure.summary
+    )
+
+
+def test_the_same_payload_untampered_runs(tmp_path):
+    marker = tmp_path / "payload-ran"
+    run = _planted_run(tmp_path, marker)
+
+    assert _start_rank(run).returncode == 0
+    assert marker.exists()
+
+
+def test_a_local_run_listens_on_loopback_only(tmp_path):
+    def listening_addresses():
+        import psutil
+        import torch.distributed as dist
+
+        runtime.setup(timeout=30)
+        dist.barrier()  # every rank's sockets are up
+        agent = psutil.Process(os.getppid())
+        processes = [agent, *agent.children(recursive=True)]
+        addresses = {
+            conn.laddr.ip
+            for proc in processes
+            for conn in proc.net_connections(kind="inet")
+            if conn.status == psutil.CONN_LISTEN
+        }
+        dist.barrier()  # nobody exits while another rank still looks
+        return addresses
+
+    results = distributed(gpus=2, runs_dir=tmp_path / "runs")(listening_addresses).distributed()
+
+    assert results[0], "no listening socket found: the check itself is broken"
+    assert all(addresses == {"127.0.0.1"} for addresses in results), results
+
+
+def test_credentials_reach_the_ranks_but_no_file_of_the_run(tmp_path, monkeypatch):
+    token, password = "tok-5f2c9e1a77", "pw-0d93b6c4e2"
+    monkeypatch.setenv("SERVICE_API_TOKEN", token)
+
+    def read_secrets():
+        import os
+
+        runtime.setup(timeout=30)
+        print("training without printing secrets")
+        if runtime.get_global_rank() == 1:
+            raise RuntimeError("a failure, to exercise error records")
+        return os.environ["SERVICE_API_TOKEN"], os.environ["DB_PASSWORD"]
+
+    job = distributed(gpus=2, runs_dir=tmp_path / "runs", env={"DB_PASSWORD": password})
+    with pytest.raises(GpufleetError) as info:
+        job(read_secrets).distributed()
+
+    assert token not in str(info.value) and password not in str(info.value)
+    (run,) = (tmp_path / "runs").iterdir()
+    for path in run.rglob("*"):
+        if path.is_file() and path.parent.name != "results":
+            content = path.read_bytes()
+            assert token.encode() not in content and password.encode() not in content, path
+
+    seen = distributed(gpus=1, runs_dir=tmp_path / "ok", env={"DB_PASSWORD": password})(
+        lambda: (os.environ["SERVICE_API_TOKEN"], os.environ["DB_PASSWORD"])
+    ).distributed()
+    assert seen == [(token, password)]
+
+
+def test_a_damaged_result_file_is_refused_with_a_clear_error(tmp_path):
+    run = RunDir.create(tmp_path / "runs", "damaged")
+    whole = pickle.dumps(("ok", list(range(1000))))
+    write_private(run.result(0), whole[: len(whole) // 2])
+
+    with pytest.raises(GpufleetError, match="rank 0.*damaged"):
+        collect(run, world_size=1)
