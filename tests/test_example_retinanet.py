@@ -1,0 +1,117 @@
+"""examples/retinanet_ddp.py: RetinaNet trained from scratch with DDP, and its mAP.
+
+The example's small mode runs end to end on 2 gloo CPU processes: the shapes data set is drawn
+to disk, read back through gpufleet.data and the COCO JSON, trained, evaluated after every
+epoch; the mAP must rise. The numpy mAP that the example falls back to where no COCO backend is
+installed (the GPU machine) must give pycocotools' numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+
+import pytest
+
+from support import EXAMPLES, assert_all_gone, rank_lines, script_env
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchvision")
+pytest.importorskip("PIL")
+
+EXAMPLE = EXAMPLES / "retinanet_ddp.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("retinanet_ddp", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(300)
+def test_retinanet_small_trains_with_ddp_and_map_rises(run_script, tmp_path):
+    """The docstring's `python examples/retinanet_ddp.py --small` (about 1-2 min on 2 cores)."""
+    out = tmp_path / "out"
+    env = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet-home"))
+    result = run_script(EXAMPLE, "--small", "--gpus", "2", "--out", out, env=env, timeout=270)
+
+    assert result.returncode == 0, result.explain()
+    logged = [float(m) for m in re.findall(r"^epoch \d+/\d+ .* mAP ([\d.]+) ",
+                                           "\n".join(rank_lines(result.stdout, 0)), flags=re.M)]
+    assert len(logged) >= 2, "rank 0 prints the mAP after every epoch:\n" + result.stdout
+    assert logged[-1] > logged[0], f"mAP did not rise: {logged}"
+    assert not [line for line in rank_lines(result.stdout, 1) if "mAP" in line], \
+        "only rank 0 logs"
+
+    results = json.loads((out / "metrics.json").read_text())
+    assert [r["rank"] for r in results] == [0, 1], "one result per rank, in rank order"
+    assert results[0]["map"] == results[1]["map"], "every rank returns the same mAP history"
+    assert len(results[0]["losses"]) == len(results[0]["map"]) == len(logged)
+    assert results[0]["losses"][-1] < results[0]["losses"][0], "the training loss fell"
+    assert (out / "retinanet.pt").stat().st_size > 0, "rank 0 saves the trained weights"
+    assert list(out.glob("shapes-*/annotations/instances_val2017.json")), "a COCO-style folder"
+    assert_all_gone(result.tree, what="processes of the example")
+
+
+def random_detections(seed: int, images: int = 30):
+    """Ground truth and noisy detections (some mislabelled, some far off), as the model gives."""
+    g = torch.Generator().manual_seed(seed)
+    preds, targets = [], []
+    for _ in range(images):
+        n = int(torch.randint(0, 4, (1,), generator=g))
+        corner = torch.rand(n, 2, generator=g) * 50
+        boxes = torch.cat([corner, corner + torch.rand(n, 2, generator=g) * 30 + 5], 1)
+        labels = torch.randint(0, 3, (n,), generator=g)
+        targets.append({"boxes": boxes, "labels": labels})
+        m = int(torch.randint(0, 120, (1,), generator=g))
+        pick = torch.randint(0, max(n, 1), (m,), generator=g)
+        guess = (boxes[pick] if n else torch.rand(m, 4, generator=g) * 40)
+        guess = guess + torch.randn(m, 4, generator=g) * (1 + seed)
+        guess = torch.cat([guess[:, :2], torch.maximum(guess[:, 2:], guess[:, :2] + 1)], 1)
+        wrong = torch.rand(m, generator=g) < 0.2
+        guessed = torch.where(wrong, torch.randint(0, 3, (m,), generator=g),
+                              labels[pick] if n else torch.zeros(m, dtype=torch.int64))
+        preds.append({"boxes": guess, "labels": guessed, "scores": torch.rand(m, generator=g)})
+    preds[0] = {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64),
+                "scores": torch.zeros(0)}  # an image with no detections at all
+    return preds, targets
+
+
+def pycocotools_map(preds, targets) -> tuple[float, float]:
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    truth = {"images": [{"id": i} for i in range(len(targets))],
+             "categories": [{"id": c} for c in range(3)], "annotations": []}
+    found = []
+    for i, (t, p) in enumerate(zip(targets, preds)):
+        for (x0, y0, x1, y1), label in zip(t["boxes"].tolist(), t["labels"].tolist()):
+            truth["annotations"].append({"id": len(truth["annotations"]) + 1, "image_id": i,
+                                         "category_id": label, "bbox": [x0, y0, x1 - x0, y1 - y0],
+                                         "area": (x1 - x0) * (y1 - y0), "iscrowd": 0})
+        for (x0, y0, x1, y1), label, score in zip(p["boxes"].tolist(), p["labels"].tolist(),
+                                                  p["scores"].tolist()):
+            found.append({"image_id": i, "category_id": label,
+                          "bbox": [x0, y0, x1 - x0, y1 - y0], "score": score})
+    with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+        coco = COCO()
+        coco.dataset = truth
+        coco.createIndex()
+        evaluation = COCOeval(coco, coco.loadRes(found), "bbox")
+        evaluation.evaluate()
+        evaluation.accumulate()
+        evaluation.summarize()
+    return evaluation.stats[0], evaluation.stats[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_numpy_map_fallback_matches_pycocotools(seed):
+    pytest.importorskip("pycocotools")
+    preds, targets = random_detections(seed)
+
+    expected = pycocotools_map(preds, targets)
+    assert load_example().coco_map(preds, targets) == pytest.approx(expected, abs=1e-6)
