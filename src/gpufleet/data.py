@@ -36,6 +36,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from gpufleet import _environ
 from gpufleet.rundir import ensure_private_dir
 
+__all__ = ["FileDataset", "ResumableLoader", "loader"]
+
 _EPOCH, _START = 0, 1
 
 

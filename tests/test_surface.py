@@ -1,0 +1,31 @@
+"""The public surface, frozen: a change here is a change users see, so it must be deliberate."""
+
+import inspect
+
+import gpufleet
+from gpufleet import data, runtime
+
+
+def test_top_level_names():
+    assert sorted(gpufleet.__all__) == [
+        "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "RankFailure",
+        "RunFailedError", "RunTimeoutError", "distributed", "runtime",
+    ]
+
+
+def test_decorator_options():
+    from gpufleet.options import option_names
+
+    assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir"]
+
+
+def test_runtime_functions():
+    assert sorted(runtime.__all__) == [
+        "get_global_rank", "get_local_rank", "get_local_world_size", "get_node_rank",
+        "get_world_size", "is_main_process", "setup",
+    ]
+    assert list(inspect.signature(runtime.setup).parameters) == ["backend", "timeout"]
+
+
+def test_data_names():
+    assert sorted(data.__all__) == ["FileDataset", "ResumableLoader", "loader"]
