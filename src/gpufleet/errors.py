@@ -36,7 +36,7 @@ class RankFailure:
     """What went wrong in one rank."""
 
     rank: int
-    kind: str  # "exception", "exit", "signal", "result", "lost"
+    kind: str  # "exception", "exit", "signal", "result", "lost", "timeout"
     summary: str  # one line: "ValueError: boom", "exit code 3", "signal SIGKILL"
     traceback: str = ""
     host: str = ""
