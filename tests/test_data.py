@@ -83,7 +83,6 @@ def test_resume_mid_epoch_continues_exactly_and_ranks_disagreeing_on_workers_war
             if i == 2:
                 state = first.state_dict()
                 break
-        complete = [path for batch in make_loader(workers=2) for path in batch]
         resumed = make_loader(workers=2)  # a fresh loader, as after a restart
         resumed.load_state_dict(state)
         after = [path for batch in resumed for path in batch]

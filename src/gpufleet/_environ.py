@@ -50,11 +50,6 @@ def device_kind() -> str | None:
     return os.environ.get(DEVICE) or None
 
 
-def run_dir() -> Path | None:
-    value = os.environ.get(RUN_DIR)
-    return Path(value) if value else None
-
-
 def parent_pid() -> int | None:
     value = os.environ.get(PARENT_PID)
     return int(value) if value else None
@@ -71,10 +66,6 @@ def gpufleet_home() -> Path:
 
 def cuda_visible_devices() -> str | None:
     return os.environ.get("CUDA_VISIBLE_DEVICES")
-
-
-def omp_num_threads() -> str | None:
-    return os.environ.get("OMP_NUM_THREADS")
 
 
 def snapshot() -> dict[str, str]:

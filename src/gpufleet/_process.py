@@ -33,7 +33,3 @@ def kill_group(pgid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
         # Another user's group now holds that id: ours is gone.
         return False
     return True
-
-
-def group_alive(pgid: int) -> bool:
-    return kill_group(pgid, 0)

@@ -203,7 +203,7 @@ def _expand(files: str | Sequence[str]) -> list[str]:
         return sorted(globlib.glob(files))
     import fsspec
 
-    fs, _, paths = fsspec.get_fs_token_paths(files)
+    _, _, paths = fsspec.get_fs_token_paths(files)
     protocol = files.split("://", 1)[0]
     return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in paths)
 

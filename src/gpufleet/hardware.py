@@ -17,7 +17,6 @@ class Placement:
 
     device: str  # "cuda" or "cpu"
     nprocs: int
-    backend: str  # the process-group backend runtime.setup() will use
     gpu_names: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -47,7 +46,7 @@ def place(gpus: int | None, gpu_type: str | None) -> Placement:
                 f"gpu_type={gpu_type!r} was asked for but no GPU is visible on this machine "
                 "(torch.cuda.device_count() is 0); drop gpu_type to run CPU processes with gloo"
             )
-        return Placement(device="cpu", nprocs=gpus or CPU_DEFAULT_PROCESSES, backend="gloo")
+        return Placement(device="cpu", nprocs=gpus or CPU_DEFAULT_PROCESSES)
     if gpus is not None and gpus > visible:
         raise ConfigError(
             f"gpus={gpus} but only {visible} GPU{'s are' if visible != 1 else ' is'} visible here"
@@ -57,7 +56,7 @@ def place(gpus: int | None, gpu_type: str | None) -> Placement:
     names = gpu_names(nprocs) if gpu_type else ()
     if gpu_type:
         check_gpu_type(gpu_type, names)
-    return Placement(device="cuda", nprocs=nprocs, backend="nccl", gpu_names=names)
+    return Placement(device="cuda", nprocs=nprocs, gpu_names=names)
 
 
 def check_gpu_type(gpu_type: str, names: tuple[str, ...]) -> None:
