@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process, payload
+from gpufleet import _environ, _process, payload, runtime
 from gpufleet.errors import RankFailure
 from gpufleet.rundir import RunDir, check_private_dir
 
@@ -64,7 +64,9 @@ def _run(run: RunDir, rank: int) -> tuple:
     try:
         check_private_dir(run.path)  # refuse a run folder that someone else could have planted
         fn, args, kwargs = payload.load_call(run.payload)
-        return ("ok", fn(*args, **kwargs))
+        value = fn(*args, **kwargs)
+        runtime._finish_saves()
+        return ("ok", value)
     except SystemExit as exc:
         if exc.code in (None, 0):
             return ("ok", None)

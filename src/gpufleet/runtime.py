@@ -102,7 +102,16 @@ def _direct_call():
     had_group = dist is not None and dist.is_available() and dist.is_initialized()
     try:
         yield
+        _finish_saves()
     finally:
         dist = sys.modules.get("torch.distributed")
         if not had_group and dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _finish_saves() -> None:
+    """Wait for checkpoint saves still in flight: a call ends only once they are published,
+    and an error while saving is the call's error."""
+    checkpoint = sys.modules.get("gpufleet.checkpoint")
+    if checkpoint is not None:
+        checkpoint.wait_all()

@@ -1,0 +1,283 @@
+"""Checkpoints that resume exactly: model, optimizer, scheduler, step, every rank's RNG and any
+state the user adds (a data loader's position), on torch.distributed.checkpoint (DCP).
+
+    from gpufleet.checkpoint import Checkpointer
+
+    ckpt = Checkpointer("runs/lm", keep=3)
+    start = ckpt.restore(trainer, extra={"loader": loader})   # steps already done, 0 if none
+    for step in range(start, total_steps):
+        ...
+        if (step + 1) % 100 == 0:
+            ckpt.save(step + 1, trainer, extra={"loader": loader})   # returns at once
+    ckpt.wait()
+
+``trainer`` is what ``gpufleet.strategies.prepare`` returned, or a model (raw DDP, FSDP2 or
+plain module) followed by its optimizer. FSDP state is saved sharded, each rank writing its
+own shards, and loads into any world size (DCP reshards). ZeRO strategies save through the
+DeepSpeed engine, beside DCP's files. A save is asynchronous: it copies the state to CPU memory
+and returns, and a background thread writes it; the next save or restore waits for it, and so
+does the end of the gpufleet call. Saves and restores are collective: call them on every rank.
+
+The root is a local folder or an fsspec URL (``s3://bucket/run``): remote steps are written to
+a local staging folder and uploaded, the commit record last. See ``_store`` for the layout.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+import warnings
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from gpufleet import runtime
+from gpufleet.checkpoint._state import ModelState, RNGState, SafeLoadPlanner, SafeReader, rng_key
+from gpufleet.checkpoint._store import Store, staged_files
+from gpufleet.errors import ConfigError, GpufleetError
+
+__all__ = ["Checkpointer"]
+
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+
+
+class Checkpointer:
+    """Saves and restores training state under ``root``, keeping the newest ``keep`` steps.
+
+    ``async_save=False`` makes ``save`` return only once the step is published.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True):
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            raise ConfigError(f"root={root!r} must be a folder path or an fsspec URL")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"keep={keep!r} must be a whole number ≥ 1, or None to keep all")
+        self.store = Store(root)
+        self.keep = keep
+        self.async_save = async_save
+        self._pending: concurrent.futures.Future | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._group: Any = None
+        _OPEN.add(self)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.store.url!r}, keep={self.keep})"
+
+    # -- what is there --------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first."""
+        return self.store.steps()
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None. A save killed half-way never counts."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, target: Any, optimizer: Any = None, *, extra: dict | None = None) -> None:
+        """Save the state after ``step`` steps (collective). Returns once the state is copied."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"step={step!r} must be a whole number ≥ 0")
+        state, engine = _state_of(target, optimizer, extra)
+        self.wait()
+        group = self._process_group()
+        if runtime.get_local_rank() == 0:
+            self.store.clear_staging(step)
+        _barrier(group)
+        folder = self.store.staging(step)
+        record = {
+            "step": step,
+            "world_size": runtime.get_world_size(),
+            "strategy": _strategy_name(target),
+            "saved_at": time.time(),
+            "torch": torch.__version__,
+        }
+        if engine is not None:
+            engine.save_checkpoint(str(folder / "deepspeed"), tag="engine", save_latest=False)
+        if self.async_save and engine is None:
+            future = dcp.async_save(state, checkpoint_id=folder, process_group=group)
+            self._pending = self._thread().submit(self._publish, step, record, future)
+        else:
+            dcp.save(state, checkpoint_id=folder, process_group=group)
+            self._publish(step, record, None)
+
+    def wait(self) -> None:
+        """Block until the save in flight is published; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _publish(self, step: int, record: dict, future: Any) -> None:
+        if future is not None:
+            future.result()
+        group = self._group
+        if self.store.remote:
+            if runtime.get_local_rank() == 0:
+                self.store.upload_files(step, staged_files(self.store.staging(step)))
+            _barrier(group)
+        if runtime.get_global_rank() == 0:
+            self.store.publish(step, record)
+            self.store.prune(self.keep)
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def restore(
+        self, target: Any, optimizer: Any = None, *, extra: dict | None = None, step: int | None = None
+    ) -> int:
+        """Load ``step`` (default: the latest committed one) into the target, in place.
+
+        Returns the step loaded, which is the number of steps already done: 0 when there is
+        no checkpoint yet, so that ``range(ckpt.restore(...), total)`` resumes or starts.
+        """
+        state, engine = _state_of(target, optimizer, extra)
+        self.wait()
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                return 0
+            step = steps[-1]
+        elif step not in steps:
+            raise ConfigError(
+                f"step={step} has no committed checkpoint under {self.store.url!r}; "
+                f"committed steps: {steps or 'none'}"
+            )
+        group = self._process_group()
+        if self.store.remote and runtime.get_local_rank() == 0:
+            self.store.fetch(step)
+        _barrier(group)
+        folder = self.store.fetch(step)
+        try:
+            if engine is not None:
+                engine.load_checkpoint(str(folder / "deepspeed"), tag="engine")
+            reader = SafeReader(folder)
+            _match_checkpoint(state, reader.read_metadata(), folder)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+        except GpufleetError:
+            raise
+        except Exception as exc:
+            raise GpufleetError(
+                f"checkpoint {str(folder)!r} (step {step}) could not be loaded: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return step
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _process_group(self) -> Any:
+        """A gloo group of its own for checkpoint traffic. An async save runs collectives
+        from a background thread; on the training group they would interleave with training's
+        collectives in a different order on each rank and deadlock. Being gloo, it also spares
+        users the ``cpu:gloo,cuda:nccl`` default group that DCP's async save otherwise needs."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="gpufleet-checkpoint"
+            )
+        return self._executor
+
+
+def wait_all() -> None:
+    """Finish every save in flight (called by gpufleet when the user's function returns)."""
+    for checkpointer in list(_OPEN):
+        checkpointer.wait()
+
+
+def _state_of(target: Any, optimizer: Any, extra: dict | None) -> tuple[dict[str, Any], Any]:
+    """The DCP state for ``target`` (and the DeepSpeed engine that saves itself, if any)."""
+    from gpufleet.strategies import Prepared
+
+    state: dict[str, Any] = {}
+    engine = None
+    if isinstance(target, Prepared):
+        if optimizer is not None:
+            raise ConfigError(
+                "an optimizer was passed beside a prepared trainer, which already holds one; "
+                "drop the optimizer argument"
+            )
+        parts = target.checkpoint_state()
+        if "engine" in parts:
+            engine = parts["engine"]
+        else:
+            state["train"] = ModelState(parts["model"], parts["optimizer"])
+            if parts["scheduler"] is not None:
+                state["scheduler"] = parts["scheduler"]
+        state["trainer"] = target
+    elif isinstance(target, torch.nn.Module):
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer={optimizer!r} is not a torch optimizer")
+        state["train"] = ModelState(target, optimizer)
+    else:
+        raise ConfigError(
+            f"cannot checkpoint a {type(target).__name__}; pass what "
+            "gpufleet.strategies.prepare returned, or a model followed by its optimizer"
+        )
+    for name, obj in (extra or {}).items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(
+                f"extra[{name!r}] (a {type(obj).__name__}) has no state_dict()/load_state_dict(); "
+                "checkpoints keep only objects that have both"
+            )
+        state[f"extra/{name}"] = obj
+    state[rng_key(runtime.get_global_rank())] = RNGState()
+    return state, engine
+
+
+def _match_checkpoint(state: dict[str, Any], metadata: Any, folder: Any) -> None:
+    """Drop what the checkpoint cannot have (RNG of ranks it did not have); name what is
+    missing instead of failing deep inside DCP."""
+    saved = set(metadata.state_dict_metadata)
+    prefixes = {key.split(".", 1)[0] for key in saved}
+    rng = rng_key(runtime.get_global_rank())
+    if rng in prefixes:
+        state[rng] = RNGState(keep={k.split(".", 1)[1] for k in saved if k.startswith(rng + ".")})
+    else:
+        del state[rng]
+        warnings.warn(
+            f"checkpoint {str(folder)!r} has no random-generator state for rank "
+            f"{runtime.get_global_rank()} (it was saved with fewer ranks); this rank keeps its own",
+            stacklevel=3,
+        )
+    missing = sorted(key for key in state if key not in prefixes)
+    if missing:
+        raise GpufleetError(
+            f"checkpoint {str(folder)!r} holds no {', '.join(map(repr, missing))}; it holds "
+            f"{', '.join(sorted(p for p in prefixes if not p.startswith('rng_rank')))}. "
+            "Restore with the same extra= names the checkpoint was saved with"
+        )
+
+
+def _barrier(group: Any) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def _strategy_name(target: Any) -> str:
+    strategy = getattr(target, "strategy", None)
+    return type(strategy).__name__ if strategy is not None else type(target).__name__
+

@@ -1,0 +1,184 @@
+"""What a checkpoint holds, as DCP state: model and optimizer, RNG of every rank, extras.
+
+Loading goes through ``SafeReader`` and ``SafeLoadPlanner``: the metadata file is unpickled
+through an allow-list of DCP's own classes, and the non-tensor items (RNG state, scheduler and
+loader positions) are read with ``torch.load(weights_only=True)``, so a tampered checkpoint
+cannot run code while it is read.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from gpufleet.errors import GpufleetError
+
+
+class ModelState:
+    """A model and its optimizer as one DCP Stateful: sharded for FSDP2, plain for DDP.
+
+    ``get_state_dict`` gives the model's own parameter names (no DDP ``module.`` prefix,
+    FSDP parameters as DTensors), so DCP can reshard them into any world size on load.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return {"model": get_model_state_dict(self.model)}
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, state["model"])
+            return
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
+
+def rng_key(rank: int) -> str:
+    return f"rng_rank{rank}"
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's random generators (Python, torch CPU, current CUDA device, NumPy) as a flat
+    dict of tensors and numbers, the shapes DCP saves and loads in place."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python_version": version,
+        "python_state": torch.tensor(internal, dtype=torch.int64),
+        "python_gauss": gauss,
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        _, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state.update(
+            numpy_keys=torch.from_numpy(keys.astype("int64")),
+            numpy_pos=int(pos),
+            numpy_has_gauss=int(has_gauss),
+            numpy_gauss=float(cached),
+        )
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    internal = tuple(int(v) for v in state["python_state"].tolist())
+    random.setstate((int(state["python_version"]), internal, state["python_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy_keys" in state and numpy is not None:
+        keys = state["numpy_keys"].numpy().astype("uint32")
+        numpy.random.set_state(
+            ("MT19937", keys, state["numpy_pos"], state["numpy_has_gauss"], state["numpy_gauss"])
+        )
+
+
+class RNGState:
+    """This rank's random generators as a DCP Stateful."""
+
+    def __init__(self, keep: set[str] | None = None):
+        self.keep = keep  # when loading: the entries the checkpoint has
+
+    def state_dict(self) -> dict[str, Any]:
+        state = rng_state()
+        return state if self.keep is None else {k: v for k, v in state.items() if k in self.keep}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_rng_state(state)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor items with ``weights_only=True``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise GpufleetError(
+                f"checkpoint item {fqn!r} is damaged or is not plain data (tensors, numbers, "
+                f"strings, lists, dicts), so it was not loaded: {exc}"
+            ) from exc
+        # Hand the base class a copy made from what was just loaded safely.
+        safe = io.BytesIO()
+        torch.save(loaded, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the metadata file unpickled through an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
+            raise GpufleetError(
+                f"checkpoint metadata {str(path)!r} is damaged or holds objects a checkpoint "
+                f"never holds, so it was not loaded: {exc}"
+            ) from exc
+        if not isinstance(metadata, Metadata):
+            raise GpufleetError(f"checkpoint metadata {str(path)!r} is not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only the classes DCP metadata is made of: no function can be called while loading."""
+
+    _MODULES = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+    )
+    _TORCH = {"Size", "dtype", "layout", "memory_format"}
+    _OTHER = {
+        ("torch.serialization", "_get_layout"),  # how torch.strided pickles: a lookup by name
+        ("pathlib", "PosixPath"),  # where the checkpoint was written
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module in self._MODULES
+            or (module, name) in self._OTHER
+            or (module == "torch" and (name in self._TORCH or _is_dtype(name)))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+
+def _is_dtype(name: str) -> bool:
+    return isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))

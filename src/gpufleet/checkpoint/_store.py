@@ -1,0 +1,164 @@
+"""Where checkpoint steps live, and how one is published atomically.
+
+Layout under a root (a local folder or an fsspec URL):
+
+    step-00000100/              a committed step
+        .metadata  __0_0.distcp ...   DCP files (model, optimizer, RNG, extras)
+        deepspeed/                    the DeepSpeed engine's files (ZeRO strategies only)
+        gpufleet.json                 the commit record, written last
+    step-00000200.partial/      a save in progress, or one that was killed: never read
+
+A step counts only once ``gpufleet.json`` is in it. On a local root the step is written as
+``step-N.partial``, the record is written (and fsynced) inside it, and the folder is renamed to
+``step-N``: one atomic rename. On a remote root every file is first written to a local staging
+folder, then uploaded, and the record is uploaded after everything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from gpufleet import _environ
+from gpufleet.errors import ConfigError
+
+COMMIT_RECORD = "gpufleet.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+class Store:
+    """A checkpoint root: lists committed steps, stages, publishes and prunes them."""
+
+    def __init__(self, root: str | os.PathLike):
+        root = os.fspath(root)
+        self.url = root
+        self.remote = "://" in root and not root.startswith("file://")
+        if self.remote:
+            try:
+                import fsspec
+            except ImportError:
+                raise ConfigError(
+                    f"checkpoint root {root!r} is a URL, which needs fsspec: "
+                    "pip install 'gpufleet[data]' (plus the filesystem's own package, "
+                    "e.g. s3fs or gcsfs)"
+                ) from None
+            self.fs, self.path = fsspec.core.url_to_fs(root)
+            digest = hashlib.sha256(root.encode()).hexdigest()[:24]
+            self.local = _environ.gpufleet_home() / "cache" / "checkpoints" / digest
+        else:
+            self.local = Path(root.removeprefix("file://")).expanduser().absolute()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        if self.remote:
+            try:
+                names = [Path(p).name for p in self.fs.ls(self.path, detail=False)]
+            except FileNotFoundError:
+                return []
+            found = [int(m[1]) for n in names if (m := _STEP_DIR.match(n))]
+            return sorted(s for s in found if self.fs.exists(self._remote(s, COMMIT_RECORD)))
+        if not self.local.is_dir():
+            return []
+        found = [int(m[1]) for p in self.local.iterdir() if (m := _STEP_DIR.match(p.name))]
+        return sorted(s for s in found if (self.local / step_name(s) / COMMIT_RECORD).is_file())
+
+    def record(self, step: int) -> dict[str, Any]:
+        if self.remote:
+            text = self.fs.cat_file(self._remote(step, COMMIT_RECORD)).decode()
+        else:
+            text = (self.local / step_name(step) / COMMIT_RECORD).read_text()
+        return json.loads(text)
+
+    def fetch(self, step: int) -> Path:
+        """A local folder holding ``step`` (downloaded first from a remote root)."""
+        if not self.remote:
+            return self.local / step_name(step)
+        target = self.local / step_name(step)
+        if not (target / COMMIT_RECORD).is_file():
+            partial = self.local / f"{step_name(step)}.download"
+            shutil.rmtree(partial, ignore_errors=True)
+            self.fs.get(self._remote(step, ""), str(partial), recursive=True)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(partial, target)
+        return target
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def staging(self, step: int) -> Path:
+        return self.local / f"{step_name(step)}.partial"
+
+    def clear_staging(self, step: int) -> Path:
+        """An empty staging folder for ``step`` (left-overs of a killed save removed)."""
+        path = self.staging(step)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True, mode=0o700)
+        return path
+
+    def upload_files(self, step: int, names: list[str]) -> None:
+        """Upload files of a staged step (remote roots; every node its own files)."""
+        staged = self.staging(step)
+        for name in names:
+            self.fs.put_file(str(staged / name), self._remote(step, name))
+
+    def publish(self, step: int, record: dict[str, Any]) -> None:
+        """Write the commit record last; from then on the step counts."""
+        staged = self.staging(step)
+        _write_synced(staged / COMMIT_RECORD, json.dumps(record, indent=1))
+        if self.remote:
+            self.fs.put_file(str(staged / COMMIT_RECORD), self._remote(step, COMMIT_RECORD))
+            shutil.rmtree(staged, ignore_errors=True)
+            return
+        final = self.local / step_name(step)
+        shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
+        os.replace(staged, final)
+        _fsync_dir(self.local)
+
+    def prune(self, keep: int | None) -> None:
+        """Delete committed steps beyond the newest ``keep``, and abandoned partial saves."""
+        for path in self.local.glob("step-*.partial") if self.local.is_dir() else ():
+            shutil.rmtree(path, ignore_errors=True)
+        if keep is None:
+            return
+        for step in self.steps()[:-keep]:
+            if self.remote:
+                # The record goes first, so a half-deleted step no longer counts.
+                self.fs.rm(self._remote(step, COMMIT_RECORD))
+                self.fs.rm(self._remote(step, ""), recursive=True)
+            else:
+                (self.local / step_name(step) / COMMIT_RECORD).unlink()
+                shutil.rmtree(self.local / step_name(step), ignore_errors=True)
+
+    def _remote(self, step: int, name: str) -> str:
+        return "/".join(part for part in (self.path.rstrip("/"), step_name(step), name) if part)
+
+
+def staged_files(folder: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != COMMIT_RECORD
+    )
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
