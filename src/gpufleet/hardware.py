@@ -21,7 +21,8 @@ class Placement:
 
     def describe(self) -> str:
         if self.device == "cpu":
-            return f"no GPU visible: running {self.nprocs} CPU processes with gloo"
+            noun = "process" if self.nprocs == 1 else "processes"
+            return f"no GPU visible: running {self.nprocs} CPU {noun} with gloo"
         return f"{self.nprocs} × {self.gpu_names[0] if self.gpu_names else 'GPU'}"
 
 
