@@ -82,7 +82,8 @@ def _train_step(mode: str, model, device, compile: bool):
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
     def adamw(params):
-        return torch.optim.AdamW(params, lr=1e-4)
+        # fused: one kernel per step instead of ~10 passes over 1.2B parameters (~10% of a step)
+        return torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
 
     if mode in ("fsdp", "ddp", "zero3"):
         from gpufleet import strategies
@@ -145,7 +146,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--gpus", default="1,2", help="comma-separated world sizes")
     parser.add_argument("--config", help="override every mode's model size (e.g. tiny)")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (124m: 5×)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
@@ -154,9 +155,10 @@ def main() -> None:
     for mode in args.modes.split(","):
         for gpus in (int(g) for g in args.gpus.split(",")):
             started = time.perf_counter()
+            config = args.config or MODES[mode]
             try:
                 result = measure.options(gpus=gpus).distributed(
-                    mode, args.config or MODES[mode], args.steps, args.warmup, args.compile
+                    mode, config, args.steps * (5 if config == SMALL else 1), args.warmup, args.compile
                 )[0]
             except Exception as exc:  # one failing mode must not hide the others' numbers
                 print(f"{mode} on {gpus}: FAILED: {str(exc).splitlines()[0]}", flush=True)

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gpufleet import runtime
 from gpufleet.checkpoint._state import ModelState, RNGState, SafeLoadPlanner, SafeReader, rng_key
@@ -99,7 +100,7 @@ class Checkpointer:
             "torch": torch.__version__,
         }
         if engine is not None:
-            engine.save_checkpoint(str(folder / "deepspeed"), tag="engine", save_latest=False)
+            engine.save_engine(str(folder / "deepspeed"))
         if self.async_save and engine is None:
             future = dcp.async_save(state, checkpoint_id=folder, process_group=group)
             self._pending = self._thread().submit(self._publish, step, record, future)
@@ -138,6 +139,7 @@ class Checkpointer:
         if runtime.get_global_rank() == 0:
             self.store.publish(step, record)
             self.store.prune(self.keep)
+        _barrier(group)  # so that every rank's wait() sees the step committed
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -161,6 +163,13 @@ class Checkpointer:
                 f"step={step} has no committed checkpoint under {self.store.url!r}; "
                 f"committed steps: {steps or 'none'}"
             )
+        saved_by = self.store.record(step)["world_size"]
+        if engine is not None and saved_by != runtime.get_world_size():
+            raise ConfigError(
+                f"checkpoint step {step} under {self.store.url!r} was saved by {saved_by} ranks "
+                f"and DeepSpeed's partitioned files load only into as many; run with "
+                f"gpus={saved_by} (DDP and FSDP checkpoints load into any number)"
+            )
         group = self._process_group()
         if self.store.remote and runtime.get_local_rank() == 0:
             self.store.fetch(step)
@@ -168,17 +177,19 @@ class Checkpointer:
         folder = self.store.fetch(step)
         try:
             if engine is not None:
-                engine.load_checkpoint(str(folder / "deepspeed"), tag="engine")
+                engine.load_engine(str(folder / "deepspeed"))
             reader = SafeReader(folder)
             _match_checkpoint(state, reader.read_metadata(), folder)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
         except GpufleetError:
             raise
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
+            cause = _first_failure(exc)
             raise GpufleetError(
-                f"checkpoint {str(folder)!r} (step {step}) could not be loaded: "
-                f"{type(exc).__name__}: {exc}"
+                f"checkpoint {str(folder)!r} (step {step}) is damaged or unreadable, so it was "
+                f"not loaded: {type(cause).__name__}: {cause}"
             ) from exc
+        _barrier(group)
         return step
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -220,13 +231,12 @@ def _state_of(target: Any, optimizer: Any, extra: dict | None) -> tuple[dict[str
                 "an optimizer was passed beside a prepared trainer, which already holds one; "
                 "drop the optimizer argument"
             )
-        parts = target.checkpoint_state()
-        if "engine" in parts:
-            engine = parts["engine"]
+        if hasattr(target, "save_engine"):  # DeepSpeed: the engine saves its own files
+            engine = target
         else:
-            state["train"] = ModelState(parts["model"], parts["optimizer"])
-            if parts["scheduler"] is not None:
-                state["scheduler"] = parts["scheduler"]
+            state["train"] = ModelState(target.model, target.optimizer)
+            if target.scheduler is not None:
+                state["scheduler"] = target.scheduler
         state["trainer"] = target
     elif isinstance(target, torch.nn.Module):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -270,6 +280,12 @@ def _match_checkpoint(state: dict[str, Any], metadata: Any, folder: Any) -> None
             f"{', '.join(sorted(p for p in prefixes if not p.startswith('rng_rank')))}. "
             "Restore with the same extra= names the checkpoint was saved with"
         )
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """DCP reports failures per rank inside a CheckpointException; name the first one."""
+    failures = getattr(exc, "failures", None)
+    return failures[min(failures)] if isinstance(failures, dict) and failures else exc
 
 
 def _barrier(group: Any) -> None:

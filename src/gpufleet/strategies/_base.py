@@ -122,7 +122,7 @@ class Prepared:
         self.clip_grad_norm = common.clip_grad_norm
         self.precision = common.precision_on(device)
         self.micro_steps = 0  # backward passes so far
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None
         self._set_gradient_sync(self._syncs_next())
 
     # -- the training loop --------------------------------------------------------------------
@@ -141,14 +141,19 @@ class Prepared:
         if boundary:
             if self.clip_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-                full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: DTensor
-                self.last_grad_norm = float(full)
+                # Kept on the device: float() here would wait for the GPU at every step.
+                self._grad_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self._set_gradient_sync(self._syncs_next())
         return boundary
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The gradient norm before clipping, at the last optimizer step (with clip_grad_norm)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     @property
     def optimizer_steps(self) -> int:
@@ -168,11 +173,7 @@ class Prepared:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=options)
 
-    # -- what a checkpoint holds ------------------------------------------------------------
-
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Objects a checkpoint saves: model and optimizer (DCP), scheduler, counters."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler}
+    # -- the counters a checkpoint keeps (model and optimizer are saved by gpufleet.checkpoint) --
 
     def state_dict(self) -> dict[str, int]:
         return {"micro_steps": self.micro_steps}

@@ -70,6 +70,8 @@ class ZeRO(StrategyOptions):
             # throughput logs, which gpufleet does not use.
             config["train_micro_batch_size_per_gpu"] = 1
         # A torch optimizer (DeepSpeed's own ones need compiled kernels).
+        # DeepSpeed clips at 1.0 unless told otherwise; gpufleet clips only when asked to.
+        config.setdefault("gradient_clipping", 0.0)
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("zero_force_ds_cpu_optimizer", False)
         config.setdefault("steps_per_print", 2**31 - 1)  # gpufleet users log their own loss
@@ -122,9 +124,12 @@ class PreparedZeRO(Prepared):
         boundary = self.model.is_gradient_accumulation_boundary()
         self.model.step()
         self.micro_steps += 1
-        if boundary and self.model.get_global_grad_norm() is not None:
-            self.last_grad_norm = float(self.model.get_global_grad_norm())
         return boundary
+
+    @property
+    def grad_norm(self) -> float | None:
+        norm = self.model.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def module(self) -> torch.nn.Module:
         return self.model.module
@@ -139,8 +144,28 @@ class PreparedZeRO(Prepared):
                 return {}
             return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        return {"engine": self.model}
+    def save_engine(self, folder: str) -> None:
+        self.model.save_checkpoint(folder, tag="engine", save_latest=False)
+
+    def load_engine(self, folder: str) -> None:
+        """Load the engine's files with ``weights_only=True``: DeepSpeed itself unpickles them
+        whole, which would run any code planted in a checkpoint."""
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        allowed = [DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]
+        files = self.model.checkpoint_engine
+
+        def load(path, map_location=None):
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+        files.load = load  # on this engine's instance only, and only while loading
+        try:
+            self.model.load_checkpoint(folder, tag="engine")
+        finally:
+            del files.load
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.micro_steps = int(state["micro_steps"])

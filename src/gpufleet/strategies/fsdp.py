@@ -75,16 +75,13 @@ class FSDP(StrategyOptions):
             if common.precision_on(device) == "bf16"
             else MixedPrecisionPolicy()
         )
+        # With one rank nothing is saved by resharding, only gathers repeated in backward.
+        reshard = self.reshard_after_forward and dist.get_world_size() > 1
         for i, block in enumerate(blocks):
             # The last block's parameters are needed again at once by backward: keep them.
             last = i == len(blocks) - 1
-            fully_shard(
-                block,
-                mesh=mesh,
-                mp_policy=policy,
-                reshard_after_forward=self.reshard_after_forward and not last,
-            )
-        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and not last)
+        fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
         optimizer = build_optimizer(common.optimizer, model, names)
         scheduler = common.scheduler(optimizer) if common.scheduler else None
         return PreparedFSDP(
