@@ -822,3 +822,49 @@ def test_damaged_or_tampered_checkpoint_is_refused_without_running_code(runs_dir
     pickle.loads(poisoned_metadata)
     torch.load(io.BytesIO(poisoned_item), weights_only=False)
     assert markers["code in metadata"].exists() and markers["code in an item"].exists()
+
+
+# ---------------------------------------------------------------------------- remote roots
+
+
+@pytest.mark.timeout(180)
+def test_url_root_is_staged_locally_uploaded_and_resumed(runs_dir, tmp_path, monkeypatch):
+    """An fsspec URL root (here `local://`, the local file system through fsspec's remote code
+    path): each step is written to a local staging folder, uploaded with its commit record last,
+    pruned to `keep`, and a new run resumes from it."""
+    pytest.importorskip("fsspec")
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+    bucket = tmp_path / "bucket"
+    url = f"local://{bucket}"
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=100)
+    def train(resume: bool):
+        from gpufleet import strategies
+
+        runtime.setup()
+        torch.manual_seed(0)
+        trainer = strategies.prepare(mlp(), lambda p: torch.optim.Adam(p, lr=0.01), "ddp")
+        ckpt = Checkpointer(url, keep=2)
+        start = ckpt.restore(trainer) if resume else 0
+        for step in range(start, start + 3):
+            x, y = batch(step, runtime.get_global_rank())
+            trainer.backward(torch.nn.functional.mse_loss(trainer.model(x), y))
+            trainer.step()
+            ckpt.save(step + 1, trainer)
+        ckpt.wait()
+        return {"start": start, "steps": ckpt.steps(), "weights": trainer.full_state_dict()}
+
+    first = train.distributed(False)
+    assert first[0]["steps"] == first[1]["steps"] == [2, 3]
+    assert sorted(p.name for p in bucket.iterdir()) == ["step-00000002", "step-00000003"]
+    assert (bucket / "step-00000003" / "gpufleet.json").is_file()
+    assert (bucket / "step-00000003" / ".metadata").is_file()
+    staged = list((home / "cache" / "checkpoints").rglob("*.partial"))
+    assert staged == [], f"staging folders left behind: {staged}"
+
+    again = train.distributed(True)
+    assert again[0]["start"] == 3
+    assert again[0]["steps"] == [5, 6]
+    assert not differing(first[0]["weights"], first[0]["weights"])  # sanity of the helper
+    assert differing(again[0]["weights"], first[0]["weights"]), "three more steps changed nothing"

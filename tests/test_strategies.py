@@ -256,3 +256,33 @@ def test_two_ranks_match_one_process_and_grad_accum_matches_whole_batches(
         message = results[0].get("blocks_error")
         assert message is not None, "blocks= naming no submodule class was accepted"
         assert "TransformerBlock" in message, message
+
+
+# ---------------------------------------------------------------------------- FSDP block options
+
+
+def test_fsdp_activation_checkpointing_and_resharding_change_memory_not_results(runs_dir):
+    """Recomputing each block's activations in backward, or keeping gathered parameters after
+    forward, must give the weights plain FSDP gives (bit for bit: the same kernels run)."""
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=100)
+    def train(options: dict):
+        runtime.setup()
+        torch.manual_seed(0)
+        trainer = strategies.prepare(
+            blocks_net(), lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), "fsdp", **options
+        )
+        x, y = global_batch()
+        rank = runtime.get_global_rank()
+        mine = slice(rank * GLOBAL_BATCH // 2, (rank + 1) * GLOBAL_BATCH // 2)
+        for _ in range(STEPS):
+            trainer.backward(torch.nn.functional.mse_loss(trainer.model(x[mine]), y[mine]))
+            trainer.step()
+        return trainer.full_state_dict()
+
+    plain = train.distributed({})[0]
+    for options in ({"activation_checkpointing": True}, {"reshard_after_forward": False}):
+        got = train.distributed(options)[0]
+        assert set(got) == set(plain)
+        for name in plain:
+            assert torch.equal(got[name], plain[name]), f"{options}: {name} differs"

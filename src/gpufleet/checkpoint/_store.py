@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
 import shutil
 from pathlib import Path
@@ -109,7 +110,9 @@ class Store:
         """Upload files of a staged step (remote roots; every node its own files)."""
         staged = self.staging(step)
         for name in names:
-            self.fs.put_file(str(staged / name), self._remote(step, name))
+            target = self._remote(step, name)
+            self.fs.makedirs(posixpath.dirname(target), exist_ok=True)  # object stores: a no-op
+            self.fs.put_file(str(staged / name), target)
 
     def publish(self, step: int, record: dict[str, Any]) -> None:
         """Write the commit record last; from then on the step counts."""
