@@ -225,3 +225,31 @@ def test_zero_checkpoint_with_code_in_its_deepspeed_files_is_refused(runs_dir, t
         f"(restore outcome: {outcome[:300]})"
     )
     assert outcome != "restored"
+
+
+def test_zero3_offload_to_cpu_gives_the_same_weights(runs_dir):
+    """offload_optimizer / offload_params move state to CPU memory; the math must not change."""
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=200)
+    def train(options: dict):
+        from gpufleet import strategies
+
+        runtime.setup()
+        torch.manual_seed(0)
+        trainer = strategies.prepare(
+            mlp(), lambda p: torch.optim.AdamW(p, lr=0.05), "zero3", **options
+        )
+        config = trainer.model.config  # what DeepSpeed was given
+        for step in range(STEPS):
+            x, y = batch(step, runtime.get_global_rank())
+            trainer.backward(torch.nn.functional.mse_loss(trainer.model(x), y))
+            trainer.step()
+        zero = config["zero_optimization"]
+        return {"weights": trainer.full_state_dict(),
+                "offloaded": sorted(k for k in ("offload_optimizer", "offload_param") if k in zero)}
+
+    offloaded = train.distributed({"offload_optimizer": True, "offload_params": True})[0]
+    plain = train.distributed({})[0]
+    assert offloaded["offloaded"] == ["offload_optimizer", "offload_param"]
+    assert plain["offloaded"] == []
+    assert not differing(offloaded["weights"], plain["weights"]), "offload changed the weights"
