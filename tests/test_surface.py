@@ -16,16 +16,30 @@ def test_top_level_names():
 def test_decorator_options():
     from gpufleet.options import option_names
 
-    assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir"]
+    assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
+                              "max_retries", "no_retry"]
 
 
 def test_runtime_functions():
     assert sorted(runtime.__all__) == [
-        "get_global_rank", "get_local_rank", "get_local_world_size", "get_node_rank",
-        "get_world_size", "is_main_process", "setup",
+        "get_attempt", "get_global_rank", "get_local_rank", "get_local_world_size",
+        "get_node_rank", "get_world_size", "is_main_process", "setup",
     ]
     assert list(inspect.signature(runtime.setup).parameters) == ["backend", "timeout"]
 
 
 def test_data_names():
     assert sorted(data.__all__) == ["FileDataset", "ResumableLoader", "loader"]
+
+
+def test_strategy_and_checkpoint_names():
+    from gpufleet import checkpoint, strategies
+
+    assert sorted(strategies.__all__) == [
+        "DDP", "FSDP", "NAMES", "Prepared", "ZeRO", "prepare", "resolve",
+    ]
+    assert strategies.NAMES == ("ddp", "fsdp", "zero1", "zero2", "zero3")
+    assert checkpoint.__all__ == ["Checkpointer"]
+    assert list(inspect.signature(checkpoint.Checkpointer).parameters) == [
+        "root", "keep", "async_save",
+    ]

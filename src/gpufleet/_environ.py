@@ -14,6 +14,7 @@ RUN_DIR = "GPUFLEET_RUN_DIR"
 DEVICE = "GPUFLEET_DEVICE"  # "cuda" or "cpu": what the launcher decided for this run
 PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must die with
 UMASK = "GPUFLEET_UMASK"  # the caller's umask, for user code in the ranks
+ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first retry, ...
 
 
 def int_var(name: str, default: int) -> int:
@@ -23,6 +24,10 @@ def int_var(name: str, default: int) -> int:
 
 def rank() -> int:
     return int_var("RANK", 0)
+
+
+def attempt() -> int:
+    return int_var(ATTEMPT, 0)
 
 
 def local_rank() -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from gpufleet import hardware, launchers, runtime
-from gpufleet.errors import ConfigError
+from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
@@ -49,19 +50,41 @@ class DistributedFunction(Generic[R]):
         """Run on every rank; return each rank's value in global-rank order.
 
         Raises RunFailedError (root cause first) when any rank fails, RunTimeoutError when
-        ``timeout`` expires, and KeyboardInterrupt after stopping every rank on Ctrl-C.
+        ``timeout`` expires, and KeyboardInterrupt after stopping every rank on Ctrl-C. With
+        ``max_retries``, a failed run starts again (all ranks, a new port) before that.
         """
         opts = self._options
         placement = hardware.place(opts.gpus, opts.gpu_type)
         check_world(opts, placement.nprocs)
         payload = dump_call(self._fn, args, kwargs)
-        run = RunDir.create(opts.runs_dir, self.__name__)
-        write_private(run.payload, payload)
         if placement.device == "cpu":
             print(f"gpufleet: {placement.describe()}", file=sys.stderr, flush=True)
+        deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+        earlier: list[RunFailedError] = []
+        while True:
+            try:
+                return self._run(payload, placement, len(earlier), deadline)
+            except RunFailedError as error:
+                if len(earlier) == opts.max_retries or not _retryable(error, opts.no_retry):
+                    if not earlier:
+                        raise
+                    raise error.after(earlier) from error.__cause__
+                earlier.append(error)
+                print(
+                    f"gpufleet: attempt {len(earlier)} of {opts.max_retries + 1} failed "
+                    f"({error.root_line()}); starting every rank again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+    def _run(self, payload: bytes, placement, attempt: int, deadline: float | None) -> list[R]:
+        """One attempt: a run folder of its own, an agent, its ranks."""
+        opts = self._options
+        run = RunDir.create(opts.runs_dir, self.__name__)
+        write_private(run.payload, payload)
         launcher = launchers.get("local")
-        agent = launcher.launch(launcher.plan(run, placement, opts), run)
-        return Supervisor(run, agent, placement.nprocs, opts).wait()
+        agent = launcher.launch(launcher.plan(run, placement, opts, attempt), run)
+        return Supervisor(run, agent, placement.nprocs, opts).wait(deadline)
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"
@@ -79,6 +102,8 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
       logs      which ranks' output is printed live: "all", "rank0", "none" or a list of ranks
       env       extra environment variables for every rank
       runs_dir  where run folders go (default ~/.gpufleet/runs, or $GPUFLEET_HOME/runs)
+      max_retries  how many times a failed run starts again, all ranks together (default 0)
+      no_retry  exception types (or names) whose failure is final, e.g. (ValueError,)
 
     Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
     """
@@ -86,3 +111,21 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
     if fn is None:
         return lambda f: DistributedFunction(f, run_options)
     return DistributedFunction(fn, run_options)
+
+
+def _retryable(error: RunFailedError, no_retry: tuple) -> bool:
+    """A timeout ends the call (it bounds all attempts); so does a root cause in no_retry."""
+    if isinstance(error, RunTimeoutError):
+        return False
+    cause = error.__cause__
+    if cause is not None:
+        names = {type(cause).__name__, f"{type(cause).__module__}.{type(cause).__qualname__}"}
+    else:  # the exception did not travel back: its name leads the summary line
+        summary = error.root_cause.summary if error.root_cause else ""
+        names = {summary.split(":", 1)[0], summary.split(":", 1)[0].rsplit(".", 1)[-1]}
+    for kind in no_retry:
+        if isinstance(kind, type) and isinstance(cause, kind):
+            return False
+        if isinstance(kind, str) and kind in names:
+            return False
+    return True

@@ -72,18 +72,38 @@ class RunFailedError(GpufleetError, RuntimeError):
         world_size: int,
         stopped: list[int] | None = None,
         headline: str | None = None,
+        attempts: list[str] | None = None,
     ):
         self.failures = order_failures(failures)
         self.run_dir = Path(run_dir)
         self.world_size = world_size
         self.stopped = sorted(stopped or [])
         self.headline = headline or self._default_headline()
+        self.attempts = list(attempts or [])  # one line per earlier attempt of the call
         super().__init__(self._render())
 
     def __reduce__(self):
         return (
             _rebuild_run_error,
-            (type(self), self.failures, self.run_dir, self.world_size, self.stopped, self.headline),
+            (type(self), self.failures, self.run_dir, self.world_size, self.stopped,
+             self.headline, self.attempts),
+        )
+
+    def root_line(self) -> str:
+        """The root cause in one line: "rank 1: ValueError: boom"."""
+        if not self.failures:
+            return self.headline
+        ranks, failure = group_failures(self.failures)[0]
+        return f"{_ranks_label(ranks)}: {describe(failure)}"
+
+    def after(self, earlier: list["RunFailedError"]) -> "RunFailedError":
+        """This error as the last of several attempts, listing the earlier ones' root causes."""
+        lines = [
+            f"attempt {i + 1}: {e.root_line()} (run folder {e.run_dir})" for i, e in enumerate(earlier)
+        ]
+        return type(self)(
+            self.failures, run_dir=self.run_dir, world_size=self.world_size, stopped=self.stopped,
+            headline=self.headline, attempts=lines,
         )
 
     @property
@@ -116,6 +136,9 @@ class RunFailedError(GpufleetError, RuntimeError):
         if self.stopped:
             lines += ["", f"{_ranks_label(self.stopped)} stopped by gpufleet after the failure."]
         lines += ["", f"per-rank logs: {self.run_dir / 'logs'}/rank-<N>.log"]
+        if self.attempts:
+            lines += ["", f"this was attempt {len(self.attempts) + 1}; earlier attempts failed too:"]
+            lines += [f"  {line}" for line in self.attempts]
         return "\n".join(lines)
 
 
@@ -123,8 +146,11 @@ class RunTimeoutError(RunFailedError, TimeoutError):
     """The call ran past ``timeout=`` seconds; every rank was stopped."""
 
 
-def _rebuild_run_error(cls, failures, run_dir, world_size, stopped, headline):
-    return cls(failures, run_dir=run_dir, world_size=world_size, stopped=stopped, headline=headline)
+def _rebuild_run_error(cls, failures, run_dir, world_size, stopped, headline, attempts=None):
+    return cls(
+        failures, run_dir=run_dir, world_size=world_size, stopped=stopped, headline=headline,
+        attempts=attempts,
+    )
 
 
 def describe(failure: RankFailure) -> str:

@@ -30,6 +30,8 @@ class RunOptions:
     logs: str | tuple[int, ...] = "all"
     env: Mapping[str, str] = field(default_factory=dict)
     runs_dir: Path | None = None
+    max_retries: int = 0
+    no_retry: tuple = ()  # exception types (or their names) whose failure is never retried
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -78,6 +80,8 @@ def _checked(options: dict) -> dict:
         "logs": _check_logs,
         "env": _check_env,
         "runs_dir": _check_runs_dir,
+        "max_retries": _check_max_retries,
+        "no_retry": _check_no_retry,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -153,3 +157,25 @@ def _check_runs_dir(runs_dir):
     if not isinstance(runs_dir, (str, os.PathLike)):
         raise ConfigError(f"runs_dir={runs_dir!r} must be a path, or None for ~/.gpufleet/runs")
     return Path(runs_dir).expanduser()
+
+
+def _check_max_retries(max_retries):
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ConfigError(
+            f"max_retries={max_retries!r} must be a whole number ≥ 0: how many times a failed "
+            "run starts again"
+        )
+    return max_retries
+
+
+def _check_no_retry(no_retry):
+    kinds = (no_retry,) if isinstance(no_retry, (type, str)) else no_retry
+    if not isinstance(kinds, Sequence) or not all(
+        (isinstance(k, type) and issubclass(k, BaseException)) or (isinstance(k, str) and k)
+        for k in kinds
+    ):
+        raise ConfigError(
+            f"no_retry={no_retry!r} must be exception types or their names, e.g. "
+            "no_retry=(ValueError, 'mypackage.BadConfig')"
+        )
+    return tuple(kinds)

@@ -23,6 +23,7 @@ __all__ = [
     "get_local_world_size",
     "get_node_rank",
     "is_main_process",
+    "get_attempt",
     "setup",
 ]
 
@@ -55,6 +56,15 @@ def get_node_rank() -> int:
 def is_main_process() -> bool:
     """True on global rank 0: the one rank that should print, save and log."""
     return get_global_rank() == 0
+
+
+def get_attempt() -> int:
+    """Which run of the call this is: 0 first, then 1, 2, ... for each retry (``max_retries``).
+
+    With gpufleet's checkpoints a retry resumes from the last committed step by itself
+    (``Checkpointer.restore``); this tells code that wants to act differently on a retry.
+    """
+    return _environ.attempt()
 
 
 def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch.device":

@@ -29,9 +29,13 @@ class Supervisor:
         self.options = options
         self.follower = LogFollower(run.log, world_size, options.shows_rank)
 
-    def wait(self) -> list:
-        """Block until every rank is done; return their values in rank order or raise."""
-        deadline = None if self.options.timeout is None else time.monotonic() + self.options.timeout
+    def wait(self, deadline: float | None = None) -> list:
+        """Block until every rank is done; return their values in rank order or raise.
+
+        ``deadline`` (``time.monotonic()``) ends the wait; default: ``timeout`` from now.
+        """
+        if deadline is None and self.options.timeout is not None:
+            deadline = time.monotonic() + self.options.timeout
         try:
             finished = self._follow(deadline)
             if not finished:

@@ -29,7 +29,7 @@ class LaunchPlan:
     nprocs: int
 
 
-def plan(run: RunDir, placement: Placement, options: RunOptions) -> LaunchPlan:
+def plan(run: RunDir, placement: Placement, options: RunOptions, attempt: int = 0) -> LaunchPlan:
     env = _environ.snapshot()
     env.update(options.env)
     env.update(
@@ -37,6 +37,7 @@ def plan(run: RunDir, placement: Placement, options: RunOptions) -> LaunchPlan:
             _environ.RUN_DIR: str(run.path),
             _environ.DEVICE: placement.device,
             _environ.PARENT_PID: str(os.getpid()),
+            _environ.ATTEMPT: str(attempt),
             "NODE_RANK": "0",
             "PYTHONUNBUFFERED": "1",
         }
