@@ -286,3 +286,57 @@ def test_fsdp_activation_checkpointing_and_resharding_change_memory_not_results(
         assert set(got) == set(plain)
         for name in plain:
             assert torch.equal(got[name], plain[name]), f"{options}: {name} differs"
+
+
+def test_fsdp_model_built_on_the_meta_device_is_materialised_shard_by_shard(runs_dir):
+    """A model too large to build whole is built on the meta device; gpufleet shards it, then
+    each rank allocates its shards and the model's init_weights() fills them."""
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=100)
+    def train():
+        runtime.setup()
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList(
+                    torch.nn.Linear(FEATURES, FEATURES) for _ in range(3)
+                )
+                self.register_buffer("scale", torch.empty(FEATURES))
+
+            def init_weights(self):
+                for i, block in enumerate(self.blocks):
+                    block.weight.fill_(0.1 * (i + 1))
+                    block.bias.zero_()
+                self.scale.fill_(2.0)
+
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return x * self.scale
+
+        with torch.device("meta"):
+            model = Net()
+        trainer = strategies.prepare(model, lambda p: torch.optim.SGD(p, lr=LR), "fsdp")
+        weights = trainer.full_state_dict()
+        x, y = global_batch()
+        trainer.backward(torch.nn.functional.mse_loss(trainer.model(x).sum(1, keepdim=True), y))
+        trainer.step()
+        try:  # a meta model without init_weights() cannot be materialised
+            strategies.prepare(
+                torch.nn.Linear(2, 2, device="meta"), lambda p: torch.optim.SGD(p, lr=1.0), "fsdp"
+            )
+            refused = None
+        except ConfigError as exc:
+            refused = str(exc)
+        return {"weights": weights, "buffer": trainer.model.scale.detach().cpu(),
+                "refused": refused, "after": trainer.full_state_dict()}
+
+    rank0 = train.distributed()[0]
+    for i in range(3):
+        want = torch.full((FEATURES, FEATURES), 0.1 * (i + 1))
+        assert torch.equal(rank0["weights"][f"blocks.{i}.weight"], want)
+        assert torch.equal(rank0["weights"][f"blocks.{i}.bias"], torch.zeros(FEATURES))
+    assert torch.equal(rank0["buffer"], torch.full((FEATURES,), 2.0))
+    assert not torch.equal(rank0["after"]["blocks.0.weight"], rank0["weights"]["blocks.0.weight"])
+    assert rank0["refused"] and "init_weights" in rank0["refused"]

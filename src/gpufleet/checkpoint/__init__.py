@@ -82,20 +82,29 @@ class Checkpointer:
     # -- saving -------------------------------------------------------------------------------
 
     def save(self, step: int, target: Any, optimizer: Any = None, *, extra: dict | None = None) -> None:
-        """Save the state after ``step`` steps (collective). Returns once the state is copied."""
+        """Save the state after ``step`` steps (collective).
+
+        Returns once the state is copied to CPU memory (DDP, FSDP, raw models); ZeRO saves
+        return once written. Committed steps after ``step`` are deleted when it is published:
+        they belong to the run that was abandoned when an earlier step was restored.
+        """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a whole number ≥ 0")
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
         group = self._process_group()
-        if runtime.get_local_rank() == 0:
+        stages_here = runtime.get_local_rank() == 0 if self.store.remote else _is_rank0()
+        if stages_here:  # one process per folder: per node for remote roots, else rank 0
             self.store.clear_staging(step)
+        if _is_rank0():
+            self.store.retract(step)  # an older save of this step no longer counts
         _barrier(group)
         folder = self.store.staging(step)
         record = {
             "step": step,
             "world_size": runtime.get_world_size(),
             "strategy": _strategy_name(target),
+            "deepspeed": engine is not None,
             "saved_at": time.time(),
             "torch": torch.__version__,
         }
@@ -115,12 +124,16 @@ class Checkpointer:
             pending.result()
 
     def close(self) -> None:
+        """Wait for the save in flight, then release the thread and the process group."""
         try:
             self.wait()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -129,17 +142,28 @@ class Checkpointer:
         self.close()
 
     def _publish(self, step: int, record: dict, future: Any) -> None:
+        """After DCP has written every rank's files and the metadata: upload (remote roots),
+        then rank 0 writes the commit record. Every rank learns whether each stage worked, so
+        that a failure on one rank is an error on all of them rather than a hang."""
         if future is not None:
             future.result()
         group = self._group
-        if self.store.remote:
+
+        def upload() -> None:  # each node's files, by one process of the node
             if runtime.get_local_rank() == 0:
                 self.store.upload_files(step, staged_files(self.store.staging(step)))
-            _barrier(group)
-        if runtime.get_global_rank() == 0:
-            self.store.publish(step, record)
-            self.store.prune(self.keep)
-        _barrier(group)  # so that every rank's wait() sees the step committed
+
+        def commit() -> None:
+            if _is_rank0():
+                self.store.drop_after(step)
+                self.store.publish(step, record)
+                self.store.prune(self.keep)
+
+        if self.store.remote:
+            _agree(group, step, "uploading", upload)
+        _agree(group, step, "publishing", commit)  # so every rank's wait() sees it committed
+        if self.store.remote and runtime.get_local_rank() == 0:
+            self.store.discard_staging(step)
 
     # -- restoring ----------------------------------------------------------------------------
 
@@ -153,24 +177,18 @@ class Checkpointer:
         """
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
-        steps = self.steps()
-        if step is None:
-            if not steps:
-                return 0
-            step = steps[-1]
-        elif step not in steps:
-            raise ConfigError(
-                f"step={step} has no committed checkpoint under {self.store.url!r}; "
-                f"committed steps: {steps or 'none'}"
-            )
-        saved_by = self.store.record(step)["world_size"]
-        if engine is not None and saved_by != runtime.get_world_size():
-            raise ConfigError(
-                f"checkpoint step {step} under {self.store.url!r} was saved by {saved_by} ranks "
-                f"and DeepSpeed's partitioned files load only into as many; run with "
-                f"gpus={saved_by} (DDP and FSDP checkpoints load into any number)"
-            )
         group = self._process_group()
+        # Rank 0 decides which step, so that every rank loads the same one even when file
+        # listings differ between nodes for a moment.
+        choice = [self._choose(step, target, engine) if _is_rank0() else None]
+        if group is not None:
+            dist.broadcast_object_list(choice, src=0, group=group)
+        kind, value = choice[0]
+        if kind == "error":
+            raise ConfigError(value)
+        if value is None:
+            return 0
+        step = value
         if self.store.remote and runtime.get_local_rank() == 0:
             self.store.fetch(step)
         _barrier(group)
@@ -191,6 +209,28 @@ class Checkpointer:
             ) from exc
         _barrier(group)
         return step
+
+    def _choose(self, step: int | None, target: Any, engine: Any) -> tuple[str, Any]:
+        """("step", N or None) or ("error", message): which committed step to load."""
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                return ("step", None)
+            step = steps[-1]
+        elif step not in steps:
+            return ("error", f"step={step} has no committed checkpoint under "
+                             f"{self.store.url!r}; committed steps: {steps or 'none'}")
+        record = self.store.record(step)
+        if record.get("deepspeed", False) != (engine is not None):
+            return ("error", f"checkpoint step {step} under {self.store.url!r} was saved by "
+                             f"strategy {record.get('strategy')!r} and cannot be restored into "
+                             f"{_strategy_name(target)!r}: DeepSpeed's files and DCP's differ")
+        if engine is not None and record["world_size"] != runtime.get_world_size():
+            return ("error", f"checkpoint step {step} under {self.store.url!r} was saved by "
+                             f"{record['world_size']} ranks and DeepSpeed's partitioned files load "
+                             f"only into as many; run with gpus={record['world_size']} (DDP and "
+                             "FSDP checkpoints load into any number)")
+        return ("step", step)
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -214,9 +254,10 @@ class Checkpointer:
 
 
 def wait_all() -> None:
-    """Finish every save in flight (called by gpufleet when the user's function returns)."""
+    """Finish every save in flight and release the checkpointers' threads and groups (called
+    by gpufleet when the user's function returns)."""
     for checkpointer in list(_OPEN):
-        checkpointer.wait()
+        checkpointer.close()
 
 
 def _state_of(target: Any, optimizer: Any, extra: dict | None) -> tuple[dict[str, Any], Any]:
@@ -248,6 +289,11 @@ def _state_of(target: Any, optimizer: Any, extra: dict | None) -> tuple[dict[str
             "gpufleet.strategies.prepare returned, or a model followed by its optimizer"
         )
     for name, obj in (extra or {}).items():
+        if not isinstance(name, str) or not name or "." in name or "/" in name:
+            raise ConfigError(
+                f"extra name {name!r} must be a non-empty string without '.' or '/' "
+                "(they separate a checkpoint's keys)"
+            )
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(
                 f"extra[{name!r}] (a {type(obj).__name__}) has no state_dict()/load_state_dict(); "
@@ -295,5 +341,28 @@ def _barrier(group: Any) -> None:
 
 def _strategy_name(target: Any) -> str:
     strategy = getattr(target, "strategy", None)
-    return type(strategy).__name__ if strategy is not None else type(target).__name__
+    if strategy is None:
+        return type(target).__name__
+    stage = getattr(strategy, "stage", None)
+    return f"zero{stage}" if stage is not None else type(strategy).__name__.lower()
+
+
+def _is_rank0() -> bool:
+    return runtime.get_global_rank() == 0
+
+
+def _agree(group: Any, step: int, stage: str, work) -> None:
+    """Run ``work`` here, then tell every rank whether it worked on every rank; raise if not."""
+    try:
+        work()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    errors = [error]
+    if group is not None:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
+    if failed:
+        raise GpufleetError(f"saving step {step} failed while {stage}: {'; '.join(failed)}")
 

@@ -163,6 +163,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         ("pathlib", "PosixPath"),  # where the checkpoint was written
         ("pathlib", "PurePosixPath"),
         ("pathlib", "WindowsPath"),
+        ("pathlib._local", "PosixPath"),  # the same classes' home from Python 3.13 on
+        ("pathlib._local", "PurePosixPath"),
+        ("pathlib._local", "WindowsPath"),
         ("collections", "OrderedDict"),
         ("builtins", "set"),
         ("builtins", "frozenset"),

@@ -86,7 +86,9 @@ class Store:
         if not self.remote:
             return self.local / step_name(step)
         target = self.local / step_name(step)
-        if not (target / COMMIT_RECORD).is_file():
+        cached = target / COMMIT_RECORD
+        remote_record = self.fs.cat_file(self._remote(step, COMMIT_RECORD))
+        if not cached.is_file() or cached.read_bytes() != remote_record:  # absent or re-saved
             partial = self.local / f"{step_name(step)}.download"
             shutil.rmtree(partial, ignore_errors=True)
             self.fs.get(self._remote(step, ""), str(partial), recursive=True)
@@ -103,8 +105,17 @@ class Store:
         """An empty staging folder for ``step`` (left-overs of a killed save removed)."""
         path = self.staging(step)
         shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True, mode=0o700)
+        path.mkdir(parents=True, mode=0o700, exist_ok=True)
         return path
+
+    def retract(self, step: int) -> None:
+        """Before ``step`` is saved again: its older save stops counting at once (remote);
+        a local step folder is replaced by the rename that publishes the new one."""
+        if self.remote and self.fs.exists(self._remote(step, COMMIT_RECORD)):
+            self.fs.rm(self._remote(step, COMMIT_RECORD))
+
+    def discard_staging(self, step: int) -> None:
+        shutil.rmtree(self.staging(step), ignore_errors=True)
 
     def upload_files(self, step: int, names: list[str]) -> None:
         """Upload files of a staged step (remote roots; every node its own files)."""
@@ -120,12 +131,17 @@ class Store:
         _write_synced(staged / COMMIT_RECORD, json.dumps(record, indent=1))
         if self.remote:
             self.fs.put_file(str(staged / COMMIT_RECORD), self._remote(step, COMMIT_RECORD))
-            shutil.rmtree(staged, ignore_errors=True)
             return
         final = self.local / step_name(step)
         shutil.rmtree(final, ignore_errors=True)  # an older save of the same step
         os.replace(staged, final)
         _fsync_dir(self.local)
+
+    def drop_after(self, step: int) -> None:
+        """Delete committed steps after ``step``: a run that restored an earlier step and saves
+        again has abandoned them."""
+        for later in [s for s in self.steps() if s > step]:
+            self._delete(later)
 
     def prune(self, keep: int | None) -> None:
         """Delete committed steps beyond the newest ``keep``, and abandoned partial saves."""
@@ -134,13 +150,17 @@ class Store:
         if keep is None:
             return
         for step in self.steps()[:-keep]:
-            if self.remote:
-                # The record goes first, so a half-deleted step no longer counts.
-                self.fs.rm(self._remote(step, COMMIT_RECORD))
-                self.fs.rm(self._remote(step, ""), recursive=True)
-            else:
-                (self.local / step_name(step) / COMMIT_RECORD).unlink()
-                shutil.rmtree(self.local / step_name(step), ignore_errors=True)
+            self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        # The record goes first, so a half-deleted step no longer counts.
+        if self.remote:
+            self.fs.rm(self._remote(step, COMMIT_RECORD))
+            self.fs.rm(self._remote(step, ""), recursive=True)
+            shutil.rmtree(self.local / step_name(step), ignore_errors=True)  # a downloaded copy
+        else:
+            (self.local / step_name(step) / COMMIT_RECORD).unlink()
+            shutil.rmtree(self.local / step_name(step), ignore_errors=True)
 
     def _remote(self, step: int, name: str) -> str:
         return "/".join(part for part in (self.path.rstrip("/"), step_name(step), name) if part)

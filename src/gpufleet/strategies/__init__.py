@@ -55,6 +55,8 @@ def resolve(strategy: Any = "ddp", **options: Any) -> Any:
                 f"use {cls.__name__}({', '.join(f'{k}=...' for k in sorted(clash))})"
             )
         return cls.from_options(**fixed, **options)
+    if isinstance(strategy, type) and strategy in {cls for cls, _ in _REGISTRY.values()}:
+        return strategy.from_options(**options)  # the class itself: its defaults
     if hasattr(strategy, "prepare") and hasattr(strategy, "from_options"):
         if options:
             raise ConfigError(

@@ -108,8 +108,8 @@ class Prepared:
 
     ``model`` is the wrapped module to call, ``optimizer`` and ``scheduler`` are the ones built
     for it, ``device`` is this rank's device. ``backward(loss)`` then ``step()`` after every
-    micro-batch: gradients are synchronised across ranks only on the last micro-batch of each
-    ``grad_accum`` group, and only then does the optimizer step.
+    micro-batch: the optimizer steps on the last micro-batch of each ``grad_accum`` group, and
+    DDP and FSDP synchronise gradients only then (DeepSpeed's engine decides for ZeRO).
     """
 
     def __init__(self, *, model, optimizer, scheduler, device, strategy, common: Common):

@@ -52,35 +52,38 @@ class ZeRO(StrategyOptions):
     def deepspeed_config(self, common: Common, device: torch.device) -> dict:
         """The config handed to ``deepspeed.initialize``: the user's plus the curated fields."""
         config = copy.deepcopy(_read_config(self.config))
+        _refuse_auto(config, "")
+        if "optimizer" in config:
+            raise ConfigError(
+                "the DeepSpeed config has an 'optimizer' section, but gpufleet hands DeepSpeed "
+                "the optimizer passed to prepare(), and DeepSpeed would ignore the config's; "
+                "remove the section and pass e.g. lambda params: torch.optim.AdamW(params, lr=...)"
+            )
         zero = config.setdefault("zero_optimization", {})
         _put(zero, "stage", self.stage, "zero_optimization.stage")
+        pin = device.type == "cuda"
         if self.offload_optimizer:
-            zero.setdefault("offload_optimizer", {"device": "cpu", "pin_memory": device.type == "cuda"})
+            _put(zero.setdefault("offload_optimizer", {"pin_memory": pin}), "device", "cpu",
+                 "zero_optimization.offload_optimizer.device")
         if self.offload_params:
-            zero.setdefault("offload_param", {"device": "cpu", "pin_memory": device.type == "cuda"})
-        if common.precision_on(device) == "bf16":
-            _put(config.setdefault("bf16", {}), "enabled", True, "bf16.enabled")
-        if common.grad_accum > 1 or "gradient_accumulation_steps" not in config:
+            _put(zero.setdefault("offload_param", {"pin_memory": pin}), "device", "cpu",
+                 "zero_optimization.offload_param.device")
+        _set_precision(config, common, device)
+        if common.grad_accum > 1:
             _put(config, "gradient_accumulation_steps", common.grad_accum, "gradient_accumulation_steps")
-        # else the config's own value stands; PreparedZeRO reads it back from the engine
+        # else the config's batch fields decide; PreparedZeRO reads the result back
         if common.clip_grad_norm is not None:
             _put(config, "gradient_clipping", common.clip_grad_norm, "gradient_clipping")
+        # DeepSpeed clips at 1.0 unless told otherwise; gpufleet clips only when asked to.
+        config.setdefault("gradient_clipping", 0.0)
         if not {"train_batch_size", "train_micro_batch_size_per_gpu"} & set(config):
             # DeepSpeed insists on a batch size; it only uses it for its own data loader and
             # throughput logs, which gpufleet does not use.
             config["train_micro_batch_size_per_gpu"] = 1
         # A torch optimizer (DeepSpeed's own ones need compiled kernels).
-        # DeepSpeed clips at 1.0 unless told otherwise; gpufleet clips only when asked to.
-        config.setdefault("gradient_clipping", 0.0)
         config.setdefault("zero_allow_untested_optimizer", True)
         config.setdefault("zero_force_ds_cpu_optimizer", False)
         config.setdefault("steps_per_print", 2**31 - 1)  # gpufleet users log their own loss
-        for key, value in config.items():
-            if value == "auto":
-                raise ConfigError(
-                    f"DeepSpeed config field {key!r} is 'auto', which only Hugging Face's "
-                    "Trainer resolves; give it a value"
-                )
         return config
 
     def prepare(self, model: torch.nn.Module, common: Common) -> "PreparedZeRO":
@@ -135,6 +138,8 @@ class PreparedZeRO(Prepared):
         return self.model.module
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's weights gathered on rank 0, in the module's dtype (bf16 under bf16;
+        DeepSpeed keeps the fp32 master weights in its optimizer)."""
         import deepspeed
 
         engine = self.model
@@ -183,6 +188,38 @@ def _read_config(config: Any) -> dict:
         raise ConfigError(f"DeepSpeed config file {str(path)!r} cannot be read: {exc}") from exc
     except json.JSONDecodeError as exc:
         raise ConfigError(f"DeepSpeed config file {str(path)!r} is not valid JSON: {exc}") from exc
+
+
+def _set_precision(config: dict, common: Common, device: torch.device) -> None:
+    """bf16 on GPU unless the config chose (fp16 or bf16 sections); an explicit precision
+    that the config contradicts is an error."""
+    chosen = [k for k in ("bf16", "fp16") if config.get(k, {}).get("enabled")]
+    if common.precision is None and chosen:
+        return
+    wanted = common.precision_on(device)
+    if wanted == "bf16":
+        if "fp16" in chosen:
+            raise ConfigError(
+                "the DeepSpeed config enables fp16 but precision='bf16' was asked for; "
+                "drop one of them"
+            )
+        _put(config.setdefault("bf16", {}), "enabled", True, "bf16.enabled")
+    elif chosen:
+        raise ConfigError(
+            f"the DeepSpeed config enables {chosen[0]} but precision='fp32' was asked for; "
+            "drop one of them"
+        )
+
+
+def _refuse_auto(section: Any, path: str) -> None:
+    if section == "auto":
+        raise ConfigError(
+            f"DeepSpeed config field {path!r} is 'auto', which only Hugging Face's Trainer "
+            "resolves; give it a value"
+        )
+    if isinstance(section, dict):
+        for key, value in section.items():
+            _refuse_auto(value, f"{path}.{key}" if path else key)
 
 
 def _put(section: dict, key: str, value: Any, where: str) -> None:

@@ -1,6 +1,8 @@
 """FSDP2: parameters, gradients and optimizer state sharded across ranks (``fully_shard``).
 
-For models that do not fit on one GPU. Each block (a repeated submodule such as a transformer
+For models that do not fit on one GPU: build those on the meta device
+(``with torch.device("meta"): model = Model()``) with an ``init_weights()`` method, and each
+rank allocates and initialises only its own shards after sharding. Each block (a repeated submodule such as a transformer
 layer) becomes one all-gather unit, then the whole model does; on GPU parameters compute in
 bf16 and gradients are reduced in fp32. Blocks are found automatically: the children of the
 largest ``ModuleList``/``Sequential`` whose children all share one class. Optional per block:
@@ -59,14 +61,17 @@ class FSDP(StrategyOptions):
         device = setup_device()
         blocks = self.find_blocks(model)
         names = parameter_names(model)
-        if any(p.is_meta for p in model.parameters()):
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and not callable(getattr(model, "init_weights", None)):
             raise ConfigError(
-                "the model has parameters on the meta device; build it on CPU or on its GPU "
-                "(gpufleet shards it and moves it to the device)"
+                f"{type(model).__name__} was built on the meta device but has no init_weights() "
+                "method; add one that initialises every parameter and buffer (it runs after "
+                "sharding, on each rank's shards), or build the model on CPU"
             )
-        model.to(device)
-        if self.sync_module_states and dist.get_world_size() > 1:
-            _broadcast_from_rank0(model)
+        if not on_meta:  # a model built whole: every rank starts from rank 0's weights
+            model.to(device)
+            if self.sync_module_states and dist.get_world_size() > 1:
+                _broadcast_from_rank0(model)
         for block in blocks:
             _wrap_forward(block, self.activation_checkpointing, self.compile)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -82,6 +87,10 @@ class FSDP(StrategyOptions):
             last = i == len(blocks) - 1
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard and not last)
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        if on_meta:  # too large to build whole: each rank materialises only its shards
+            model.to_empty(device=device)
+            with torch.no_grad():
+                model.init_weights()
         optimizer = build_optimizer(common.optimizer, model, names)
         scheduler = common.scheduler(optimizer) if common.scheduler else None
         return PreparedFSDP(
@@ -90,10 +99,11 @@ class FSDP(StrategyOptions):
         )
 
     def find_blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        """The submodules that become their own FSDP units, in model order."""
+        """The submodules that become their own FSDP units, in model order, outermost only
+        (a block inside a block stays in its parent's unit)."""
         if self.blocks is not None:
             kinds = self.blocks if isinstance(self.blocks, tuple) else (self.blocks,)
-            found = [m for m in model.modules() if m is not model and _is_kind(m, kinds)]
+            found = _outermost(model, lambda m: _is_kind(m, kinds))
             if not found:
                 present = sorted({type(m).__name__ for m in model.modules()})
                 raise ConfigError(
@@ -101,7 +111,10 @@ class FSDP(StrategyOptions):
                     f"its module classes are: {', '.join(present)}"
                 )
             return found
-        best, best_size = [], 0
+        # The block class: the children of the largest ModuleList/Sequential whose children
+        # share one class. Then every instance of it, so that a second stack (a decoder beside
+        # an encoder, a vision tower beside a language model) is sharded the same way.
+        kind, best_size = None, 0
         for container in model.modules():
             if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential)):
                 continue
@@ -110,21 +123,36 @@ class FSDP(StrategyOptions):
                 continue
             size = sum(p.numel() for p in container.parameters())
             if size > best_size:
-                best, best_size = children, size
-        if not best:
+                kind, best_size = type(children[0]), size
+        if kind is None:
             warnings.warn(
                 f"FSDP found no repeated block in {type(model).__name__}, so the whole model is "
                 "one unit (gathered at once); pass blocks=YourBlockClass to shard it block by "
                 "block",
                 stacklevel=3,
             )
-        return best
+            return []
+        return _outermost(model, lambda m: type(m) is kind)
 
 
 class PreparedFSDP(Prepared):
     def _set_gradient_sync(self, enabled: bool) -> None:
         # FSDP2's no_sync: without it, every micro-batch would reduce-scatter its gradients.
         self.model.set_requires_gradient_sync(enabled)
+
+
+def _outermost(model: torch.nn.Module, matches) -> list[torch.nn.Module]:
+    found: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if matches(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
 
 
 def _is_kind(module: torch.nn.Module, kinds: tuple) -> bool:
