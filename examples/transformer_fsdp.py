@@ -20,7 +20,9 @@ reduced in fp32. AdamW, linear warmup then cosine decay, gradients clipped to no
 `--checkpoint-every` steps a `gpufleet.checkpoint.Checkpointer` saves the sharded model and
 optimizer, the scheduler, the random generators and the data position (epoch and windows used)
 into `--checkpoint-dir`; running the command again resumes from the latest step (a larger
-`--steps` trains further), and a resumed run goes on with the data it had not seen yet.
+`--steps` trains further, on a cosine schedule stretched to the new total, so the learning
+rate rises again from where the shorter schedule had brought it), and a resumed run goes on
+with the data it had not seen yet.
 
 Rank 0 prints the training loss every few steps and, at intervals, the validation loss with its
 perplexity and bits per byte, beside the baseline that any model must beat: the cross-entropy
