@@ -83,6 +83,30 @@ def batch(step: int, rank: int, micro: int = 0, size: int = 4):
     return torch.randn(size, FEATURES, generator=gen), torch.randn(size, 1, generator=gen)
 
 
+def resumable_trainer(strategy: str, model: torch.nn.Module):
+    """What the exact-resume tests train: AdamW, a scheduler, grad_accum=2 and clipping, so
+    that every piece of state a checkpoint holds matters."""
+    from gpufleet import strategies
+
+    return strategies.prepare(
+        model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01), strategy,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8),
+        grad_accum=2, clip_grad_norm=1.0,
+    )
+
+
+def fit_two_micro_batches(trainer, steps, ckpt=None, save_at=None) -> None:
+    """Optimizer steps `steps`, two micro-batches each; save once step `save_at` is done."""
+    rank = runtime.get_global_rank()
+    for step in steps:
+        for micro in range(2):
+            x, y = batch(step, rank, micro)
+            trainer.backward(torch.nn.functional.mse_loss(trainer.model(x), y))
+            trainer.step()
+        if ckpt is not None and step + 1 == save_at:
+            ckpt.save(step + 1, trainer)
+
+
 def global_batch(step: int, world: int, rank: int, size: int = 8):
     """Rank `rank`'s slice of one global batch (world=1: the whole batch)."""
     gen = torch.Generator().manual_seed(777 + step)
@@ -449,30 +473,17 @@ def test_run_killed_after_save_resumes_to_the_uninterrupted_weights(strategy, ru
         import torch
         import torch.distributed as dist
 
-        from gpufleet import strategies
         from gpufleet.checkpoint import Checkpointer
 
         runtime.setup(timeout=60)
         rank = runtime.get_global_rank()
-        mse = torch.nn.functional.mse_loss
 
         def prepared(seed):
             torch.manual_seed(seed)
-            model = BUILDERS[strategy](dropout=0.1)
-            return strategies.prepare(
-                model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01), strategy,
-                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8),
-                grad_accum=2, clip_grad_norm=1.0,
-            )
+            return resumable_trainer(strategy, BUILDERS[strategy](dropout=0.1))
 
         def fit(trainer, steps, ckpt=None):
-            for step in steps:
-                for micro in range(2):
-                    x, y = batch(step, rank, micro)
-                    trainer.backward(mse(trainer.model(x), y))
-                    trainer.step()
-                if ckpt is not None and step + 1 == saved_at:
-                    ckpt.save(step + 1, trainer)
+            fit_two_micro_batches(trainer, steps, ckpt, save_at=saved_at)
 
         if crash:
             # The uninterrupted run, for reference.

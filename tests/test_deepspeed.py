@@ -20,7 +20,8 @@ import torch
 
 from gpufleet import RunFailedError, distributed, runtime
 from gpufleet.checkpoint import Checkpointer
-from test_checkpoint import RunsCode, batch, clone_state, differing
+from test_checkpoint import (RunsCode, batch, clone_state, differing, fit_two_micro_batches,
+                             resumable_trainer)
 from test_checkpoint import mlp as mlp_with_dropout
 from test_strategies import (STEPS, assert_weights_close, global_batch, mlp,
                              one_process_reference)
@@ -107,29 +108,17 @@ def test_zero_run_killed_after_save_resumes_to_the_uninterrupted_weights(runs_di
         import torch
         import torch.distributed as dist
 
-        from gpufleet import strategies
         from gpufleet.checkpoint import Checkpointer
 
         runtime.setup(timeout=60)
         rank = runtime.get_global_rank()
-        mse = torch.nn.functional.mse_loss
 
         def prepared(stage, seed):
             torch.manual_seed(seed)
-            return strategies.prepare(
-                mlp_with_dropout(dropout=0.1), lambda p: torch.optim.AdamW(p, lr=1e-2), stage,
-                scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.8),
-                grad_accum=2, clip_grad_norm=1.0,
-            )
+            return resumable_trainer(stage, mlp_with_dropout(dropout=0.1))
 
         def fit(trainer, steps, ckpt=None):
-            for step in steps:
-                for micro in range(2):
-                    x, y = batch(step, rank, micro)
-                    trainer.backward(mse(trainer.model(x), y))
-                    trainer.step()
-                if ckpt is not None and step + 1 == saved_at:
-                    ckpt.save(step + 1, trainer)
+            fit_two_micro_batches(trainer, steps, ckpt, save_at=saved_at)
 
         out = {}
         for stage in STAGES:
