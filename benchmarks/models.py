@@ -75,11 +75,20 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.norm = nn.RMSNorm(c.d_model)
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
-        half = c.d_model // c.heads // 2
-        freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
-        angles = torch.outer(torch.arange(c.seq, dtype=torch.float32), freqs)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.config = c
+        cos, sin = _rope(c)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place: what FSDP calls on each rank's
+        shards when the model was built on the meta device."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        cos, sin = _rope(self.config)
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
@@ -87,6 +96,13 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(self.norm(x))
+
+
+def _rope(c: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    half = c.d_model // c.heads // 2
+    freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.outer(torch.arange(c.seq, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,12 @@ class DDP(StrategyOptions):
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
     bucket_cap_mb: float | None = None
-    compile: bool = False  # torch.compile the model before wrapping it
+    compile: bool = False  # torch.compile the wrapped model
 
     def prepare(self, model: torch.nn.Module, common: Common) -> "PreparedDDP":
         device = setup_device()
         names = parameter_names(model)
         model = model.to(device)
-        if self.compile:
-            model.compile()
         ddp = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
@@ -48,6 +46,11 @@ class DDP(StrategyOptions):
         )
         if common.precision_on(device) == "bf16":
             ddp.forward = _autocast(ddp.forward, device.type)
+        if self.compile:
+            # Compiled after wrapping, so that Dynamo splits the graph at DDP's bucket
+            # boundaries and each bucket's all-reduce overlaps the rest of the backward pass
+            # (compiled before, the whole backward is one node and every all-reduce waits).
+            ddp.compile()
         optimizer = build_optimizer(common.optimizer, model, names)
         scheduler = common.scheduler(optimizer) if common.scheduler else None
         return PreparedDDP(
