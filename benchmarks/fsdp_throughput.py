@@ -12,6 +12,8 @@ Modes (each a separate gpufleet call, so each starts from a fresh process group)
                 fully_shard, then the root; bf16 parameters, fp32 reduction       (1.2B)
     ddp         gpufleet.strategies.prepare(model, AdamW, "ddp", compile=True)    (124M)
     plain-ddp   hand-written DDP with bf16 autocast, torch.compile of the wrapper (124M)
+    ddp-no-sync plain-ddp that never all-reduces gradients: what the step costs without
+                communication, to tell communication from other per-GPU slowdowns
     zero3       gpufleet.strategies.prepare(model, AdamW, "zero3")  (1.2B; needs deepspeed)
 
 Every mode prints tokens/s per GPU and MFU against 989 TFLOP/s (H100/H200 dense bf16), where
@@ -36,7 +38,10 @@ from gpufleet import distributed, runtime  # noqa: E402
 
 PEAK_FLOPS = 989e12
 BIG, SMALL = "1.2b", "124m"
-MODES = {"fsdp": BIG, "fsdp-keep": BIG, "plain-fsdp": BIG, "ddp": SMALL, "plain-ddp": SMALL, "zero3": BIG}
+MODES = {
+    "fsdp": BIG, "fsdp-keep": BIG, "plain-fsdp": BIG, "ddp": SMALL, "plain-ddp": SMALL,
+    "ddp-no-sync": SMALL, "zero3": BIG,
+}
 
 
 @distributed(timeout=1800, logs="rank0")
@@ -113,7 +118,7 @@ def _train_step(mode: str, model, device, compile: bool):
             fully_shard(layer, mp_policy=policy, reshard_after_forward=not last)
         fully_shard(model, mp_policy=policy)
         forward = model
-    elif mode == "plain-ddp":
+    elif mode in ("plain-ddp", "ddp-no-sync"):
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
@@ -123,6 +128,9 @@ def _train_step(mode: str, model, device, compile: bool):
         def forward(tokens):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 return ddp(tokens)
+
+        if mode == "ddp-no-sync":  # a diagnosis: the same step with no gradient all-reduce
+            ddp.require_backward_grad_sync = False
     else:
         raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     optimizer = adamw(model.parameters())

@@ -9,7 +9,8 @@ from gpufleet import data, runtime
 def test_top_level_names():
     assert sorted(gpufleet.__all__) == [
         "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "RankFailure",
-        "RunFailedError", "RunTimeoutError", "distributed", "runtime",
+        "RunFailedError", "RunHangError", "RunPreemptedError", "RunTimeoutError", "distributed",
+        "runtime",
     ]
 
 
@@ -17,13 +18,13 @@ def test_decorator_options():
     from gpufleet.options import option_names
 
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
-                              "max_retries", "no_retry"]
+                              "max_retries", "no_retry", "hang_timeout", "grace_period"]
 
 
 def test_runtime_functions():
     assert sorted(runtime.__all__) == [
         "get_attempt", "get_global_rank", "get_local_rank", "get_local_world_size",
-        "get_node_rank", "get_world_size", "is_main_process", "setup",
+        "get_node_rank", "get_world_size", "heartbeat", "is_main_process", "setup", "should_stop",
     ]
     assert list(inspect.signature(runtime.setup).parameters) == ["backend", "timeout"]
 

@@ -20,6 +20,8 @@ from gpufleet.errors import (
     PayloadError,
     RankFailure,
     RunFailedError,
+    RunHangError,
+    RunPreemptedError,
     RunTimeoutError,
 )
 
@@ -32,6 +34,8 @@ __all__ = [
     "PayloadError",
     "RankFailure",
     "RunFailedError",
+    "RunHangError",
+    "RunPreemptedError",
     "RunTimeoutError",
     "distributed",
     "runtime",

@@ -51,6 +51,12 @@ def is_launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def run_dir() -> Path | None:
+    """The run folder of a rank started by gpufleet (None elsewhere)."""
+    value = os.environ.get(RUN_DIR)
+    return Path(value) if value else None
+
+
 def device_kind() -> str | None:
     return os.environ.get(DEVICE) or None
 

@@ -17,11 +17,12 @@ import time
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process, payload, runtime
+from gpufleet import _environ, _process, diagnosis, payload, runtime
 from gpufleet.errors import RankFailure
 from gpufleet.rundir import RunDir, check_private_dir
 
 EXIT_GRACE_SECONDS = 30
+_keep_open: list = []  # the stacks file faulthandler writes to
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 _PEER_LOSS_MESSAGES = (
     "connection closed by peer",
@@ -42,6 +43,8 @@ def main(argv: list[str]) -> None:
     if umask is not None:
         os.umask(umask)
     payload.write_private(run.pid_file(rank), str(os.getpid()).encode())
+    _answer_stack_requests(run.stacks(rank))
+    runtime.heartbeat()
     outcome = _run(run, rank)
     try:
         data = payload.dump_result(outcome)
@@ -60,10 +63,22 @@ def _send_output_to(log: Path) -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
+def _answer_stack_requests(path: Path) -> None:
+    """On SIGUSR1, faulthandler writes every thread's Python stack to the rank's stacks file
+    from C, so the rank answers even while blocked in a collective. The first line names the
+    main thread, which the caller's diagnosis reads first."""
+    stacks = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    stacks.write(f"{diagnosis.MAIN_THREAD_HEADER}{threading.main_thread().ident:#x}\n")
+    stacks.flush()
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+    _keep_open.append(stacks)
+
+
 def _run(run: RunDir, rank: int) -> tuple:
     try:
         check_private_dir(run.path)  # refuse a run folder that someone else could have planted
         fn, args, kwargs = payload.load_call(run.payload)
+        runtime.heartbeat()  # loading may import for a long time; that was progress too
         value = fn(*args, **kwargs)
         runtime._finish_saves()
         return ("ok", value)
@@ -77,7 +92,9 @@ def _run(run: RunDir, rank: int) -> tuple:
         return ("error", failure)
 
 
-def _failure(rank: int, exc: BaseException, kind: str = "exception", summary: str = "") -> RankFailure:
+def _failure(rank: int, exc: BaseException, kind: str = "", summary: str = "") -> RankFailure:
+    if not kind:
+        kind, summary = _classify(exc)
     try:
         pickled = payload.dump_result(exc)
     except Exception:  # an exception that does not pickle still travels as text
@@ -96,6 +113,62 @@ def _failure(rank: int, exc: BaseException, kind: str = "exception", summary: st
         collateral=_is_peer_loss(exc),
         exception=pickled,
     )
+
+
+def _classify(exc: BaseException) -> tuple[str, str]:
+    """The failure's kind and one-line summary; out-of-memory errors carry the numbers."""
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    torch = sys.modules.get("torch")
+    cuda_oom = getattr(torch, "OutOfMemoryError", ()) if torch is not None else ()
+    for cause in _chain(exc):
+        message = str(cause)
+        if isinstance(cause, MemoryError) or ("DefaultCPUAllocator" in message and "memory" in message):
+            first = message.splitlines()[0] if message else ""
+            return "host-oom", f"{type(cause).__name__}: {first}".rstrip(": ") + _host_memory()
+        if cuda_oom and isinstance(cause, cuda_oom):
+            return "cuda-oom", _cuda_oom_summary(torch, cause)
+    return "exception", text
+
+
+def _chain(exc: BaseException | None):
+    seen = 0
+    while exc is not None and seen < 10:
+        yield exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+
+
+def _cuda_oom_summary(torch, exc: BaseException) -> str:
+    """torch's message leads; then this rank's GPU memory as torch counts it."""
+    message = str(exc).split(". Including non-PyTorch memory")[0].split("If reserved")[0].strip()
+    try:
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        gib = 2**30
+        numbers = (
+            f" [cuda:{device} {torch.cuda.get_device_name(device)}: {total / gib:.1f} GiB in all, "
+            f"{free / gib:.2f} GiB free; PyTorch had {torch.cuda.memory_allocated(device) / gib:.2f} GiB "
+            f"allocated (peak {torch.cuda.max_memory_allocated(device) / gib:.2f} GiB), "
+            f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB reserved]"
+        )
+    except Exception:  # the numbers are a help; the error must be reported without them
+        numbers = ""
+    return (
+        f"{type(exc).__name__}: {message}{numbers} — lower the batch size, or use "
+        "activation_checkpointing=True, or shard the model ('fsdp', 'zero3')"
+    )
+
+
+def _host_memory() -> str:
+    try:
+        with open("/proc/self/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        rss = int(status["VmRSS"].split()[0]) / 2**20
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f if ":" in line)
+        available = int(info["MemAvailable"].split()[0]) / 2**20
+        return f" [this rank used {rss:.2f} GiB; {available:.2f} GiB left on the host]"
+    except (OSError, KeyError, ValueError):
+        return ""
 
 
 def _result_failure(rank: int, value, exc: Exception) -> RankFailure:
@@ -122,14 +195,12 @@ def _user_traceback(exc: BaseException) -> str:
 
 def _is_peer_loss(exc: BaseException | None) -> bool:
     """A communication error: usually the echo of another rank's death, not the cause."""
-    seen = 0
-    while exc is not None and seen < 10:
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+    dist = sys.modules.get("torch.distributed")
+    for cause in _chain(exc):
+        if dist is not None and isinstance(cause, getattr(dist, "DistError", ())):
             return True
-        if any(m in str(exc).lower() for m in _PEER_LOSS_MESSAGES):
+        if any(m in str(cause).lower() for m in _PEER_LOSS_MESSAGES):
             return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from gpufleet import hardware, launchers, runtime
-from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
+from gpufleet.errors import ConfigError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
@@ -50,8 +50,10 @@ class DistributedFunction(Generic[R]):
         """Run on every rank; return each rank's value in global-rank order.
 
         Raises RunFailedError (root cause first) when any rank fails, RunTimeoutError when
-        ``timeout`` expires, and KeyboardInterrupt after stopping every rank on Ctrl-C. With
-        ``max_retries``, a failed run starts again (all ranks, a new port) before that.
+        ``timeout`` expires, RunHangError when no rank made progress for ``hang_timeout``,
+        RunPreemptedError after a SIGTERM to this process, and KeyboardInterrupt after
+        stopping every rank on Ctrl-C. With ``max_retries``, a failed or hung run starts again
+        (all ranks, a new port) before that.
         """
         opts = self._options
         placement = hardware.place(opts.gpus, opts.gpu_type)
@@ -104,6 +106,11 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
       runs_dir  where run folders go (default ~/.gpufleet/runs, or $GPUFLEET_HOME/runs)
       max_retries  how many times a failed run starts again, all ranks together (default 0)
       no_retry  exception types (or names) whose failure is final, e.g. (ValueError,)
+      hang_timeout  seconds without output or runtime.heartbeat() on any rank after which the
+                run counts as hung: stacks collected, culprit named, run stopped (default 1800;
+                None turns it off)
+      grace_period  seconds ranks get to stop (runtime.should_stop()) after this process gets
+                SIGTERM, before they are stopped (default 30)
 
     Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
     """
@@ -114,8 +121,9 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
 
 
 def _retryable(error: RunFailedError, no_retry: tuple) -> bool:
-    """A timeout ends the call (it bounds all attempts); so does a root cause in no_retry."""
-    if isinstance(error, RunTimeoutError):
+    """A timeout ends the call (it bounds all attempts), a preemption too (this process is
+    going away); so does a root cause in no_retry."""
+    if isinstance(error, (RunTimeoutError, RunPreemptedError)):
         return False
     cause = error.__cause__
     if cause is not None:

@@ -19,6 +19,21 @@ _SIGNAL_HINTS = {
 }
 
 
+# How a rank can fail (RankFailure.kind), and the words that lead its line in an error.
+KINDS = {
+    "exception": "",
+    "host-oom": "host out of memory: ",
+    "cuda-oom": "GPU out of memory: ",
+    "exit": "",
+    "signal": "",
+    "result": "",
+    "timeout": "",
+    "hang": "hang: ",
+    "preempted": "preempted: ",
+    "lost": "",
+}
+
+
 class GpufleetError(Exception):
     """Base class of every error gpufleet raises."""
 
@@ -36,7 +51,7 @@ class RankFailure:
     """What went wrong in one rank."""
 
     rank: int
-    kind: str  # "exception", "exit", "signal", "result", "lost", "timeout"
+    kind: str  # one of KINDS
     summary: str  # one line: "ValueError: boom", "exit code 3", "signal SIGKILL"
     traceback: str = ""
     host: str = ""
@@ -126,7 +141,8 @@ class RunFailedError(GpufleetError, RuntimeError):
             label = "root cause" if i == 0 else "also"
             lines += ["", f"{label}: {_ranks_label(ranks)}: {describe(failure)}"]
             if i > 0 and failure.collateral:
-                lines.append("(a communication error: most likely the echo of the failure above)")
+                if failure.kind != "hang":  # a hang's waiting ranks are named, not blamed
+                    lines.append("(a communication error: most likely the echo of the failure above)")
                 continue
             if failure.traceback:
                 lines.append(failure.traceback.rstrip())
@@ -146,6 +162,31 @@ class RunTimeoutError(RunFailedError, TimeoutError):
     """The call ran past ``timeout=`` seconds; every rank was stopped."""
 
 
+class RunHangError(RunFailedError):
+    """Every rank was alive but none made progress for ``hang_timeout=`` seconds; the run was
+    stopped after each rank's stacks were collected. The root cause is the culprit rank."""
+
+
+class RunPreemptedError(RunFailedError):
+    """The calling process got SIGTERM: every rank was asked to stop (``runtime.should_stop()``)
+    and given ``grace_period=`` seconds. ``results`` holds every rank's return value when all
+    of them returned in time, else None. Never retried: the process is going away."""
+
+    def __init__(self, failures, *, results: list | None = None, **kwargs):
+        self.results = results
+        super().__init__(failures, **kwargs)
+
+    def __reduce__(self):
+        rebuild, args = super().__reduce__()
+        return (_rebuild_preempted, (args, self.results))
+
+
+def _rebuild_preempted(args, results):
+    error = _rebuild_run_error(*args)
+    error.results = results
+    return error
+
+
 def _rebuild_run_error(cls, failures, run_dir, world_size, stopped, headline, attempts=None):
     return cls(
         failures, run_dir=run_dir, world_size=world_size, stopped=stopped, headline=headline,
@@ -162,9 +203,7 @@ def describe(failure: RankFailure) -> str:
         return f"died from {failure.summary}{where}" + (f" — {hint}" if hint else "")
     if failure.kind == "exit":
         return f"exited with {failure.summary} without raising a Python exception{where}"
-    if failure.kind == "lost":
-        return f"{failure.summary}{where}"
-    return f"{failure.summary}{where}"
+    return f"{KINDS.get(failure.kind, '')}{failure.summary}{where}"
 
 
 def order_failures(failures: list[RankFailure]) -> list[RankFailure]:

@@ -29,6 +29,7 @@ class _RankLog:
         self.path = path
         self.file = None
         self.partial = b""
+        self.grew = False  # whether the last read found new bytes (a tqdm bar's too)
 
     def read_lines(self, final: bool) -> list[str]:
         if self.file is None:
@@ -36,7 +37,9 @@ class _RankLog:
                 self.file = open(self.path, "rb")  # noqa: SIM115 - kept open while following
             except FileNotFoundError:
                 return []
-        data = self.partial + self.file.read()
+        chunk = self.file.read()
+        self.grew = bool(chunk)
+        data = self.partial + chunk
         *lines, self.partial = data.split(b"\n")
         if final and self.partial:
             lines.append(self.partial)
@@ -62,17 +65,20 @@ class LogFollower:
         self._shows = shows
         self._out = out
 
-    def poll(self, final: bool = False) -> None:
-        """Print what was written since the last poll; ``final`` also flushes partial lines."""
+    def poll(self, final: bool = False) -> bool:
+        """Print what was written since the last poll; ``final`` also flushes partial lines.
+        True when any rank wrote anything, shown or not (a sign of progress)."""
         out = self._out or sys.stdout
-        printed = False
+        printed = wrote = False
         for rank, log in self._logs.items():
             lines = log.read_lines(final)
+            wrote = wrote or log.grew
             if lines and self._shows(rank):
                 out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
                 printed = True
         if printed:
             out.flush()
+        return wrote
 
     def close(self) -> None:
         self.poll(final=True)

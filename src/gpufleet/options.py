@@ -16,6 +16,8 @@ from pathlib import Path
 from gpufleet.errors import ConfigError
 
 DEFAULT_TIMEOUT = 3 * 3600.0
+DEFAULT_HANG_TIMEOUT = 1800.0
+DEFAULT_GRACE_PERIOD = 30.0
 LOG_CHOICES = ("all", "rank0", "none")
 
 
@@ -32,6 +34,8 @@ class RunOptions:
     runs_dir: Path | None = None
     max_retries: int = 0
     no_retry: tuple = ()  # exception types (or their names) whose failure is never retried
+    hang_timeout: float | None = DEFAULT_HANG_TIMEOUT
+    grace_period: float = DEFAULT_GRACE_PERIOD
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -82,6 +86,8 @@ def _checked(options: dict) -> dict:
         "runs_dir": _check_runs_dir,
         "max_retries": _check_max_retries,
         "no_retry": _check_no_retry,
+        "hang_timeout": _check_hang_timeout,
+        "grace_period": _check_grace_period,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -117,13 +123,32 @@ def _check_remote(remote):
 
 
 def _check_timeout(timeout):
-    if timeout is None:
+    return _seconds("timeout", timeout, none="or None for no limit")
+
+
+def _check_hang_timeout(hang_timeout):
+    return _seconds(
+        "hang_timeout", hang_timeout,
+        none="or None to turn hang detection off: the seconds without output or "
+        "runtime.heartbeat() on any rank after which the run counts as hung",
+    )
+
+
+def _check_grace_period(grace_period):
+    return _seconds(
+        "grace_period", grace_period, none="e.g. grace_period=30: how long ranks get to stop after a SIGTERM",
+        allow_none=False,
+    )
+
+
+def _seconds(name: str, value, *, none: str, allow_none: bool = True) -> float | None:
+    if value is None and allow_none:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ConfigError(f"timeout={timeout!r} must be a number of seconds, or None for no limit")
-    if not timeout > 0 or math.isnan(timeout):
-        raise ConfigError(f"timeout={timeout!r} must be more than 0 seconds, or None for no limit")
-    return float(timeout)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={value!r} must be a number of seconds, {none}")
+    if not value > 0 or math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"{name}={value!r} must be more than 0 seconds, {none}")
+    return float(value)
 
 
 def _check_logs(logs):

@@ -26,7 +26,7 @@ class RunDir:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = root / f"{_safe(name)}-{stamp}-{secrets.token_hex(3)}"
         path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
-        for sub in ("logs", "results", "pids"):
+        for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl"):
             (path / sub).mkdir(mode=0o700)
         return cls(path)
 
@@ -58,6 +58,25 @@ class RunDir:
 
     def pid_file(self, rank: int) -> Path:
         return self.path / "pids" / f"rank-{rank}.pid"
+
+    def stacks(self, rank: int) -> Path:
+        """Where the rank's Python stacks go when gpufleet asks for them (a hang)."""
+        return self.path / "stacks" / f"rank-{rank}.txt"
+
+    def heartbeat(self, rank: int) -> Path:
+        """Touched by ``runtime.heartbeat()``: its modification time is the rank's last sign
+        of progress besides output."""
+        return self.path / "heartbeats" / f"rank-{rank}"
+
+    @property
+    def nccl_traces(self) -> Path:
+        """The prefix of NCCL's flight-recorder dumps (``<prefix><rank>``) and pipes."""
+        return self.path / "nccl" / "rank-"
+
+    @property
+    def stop_request(self) -> Path:
+        """Exists once the caller was asked to stop (SIGTERM): ``runtime.should_stop()``."""
+        return self.path / "stop-requested"
 
 
 def ensure_private_dir(root: Path) -> None:

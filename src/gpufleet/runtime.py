@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
 from gpufleet import _environ
@@ -25,7 +27,13 @@ __all__ = [
     "is_main_process",
     "get_attempt",
     "setup",
+    "heartbeat",
+    "should_stop",
 ]
+
+HEARTBEAT_EVERY_S = 1.0  # at most one file touch per second, however often heartbeat() is called
+_last_heartbeat = 0.0
+_stop_group = None  # (default group it was made under, gloo group) of should_stop()
 
 
 def get_global_rank() -> int:
@@ -65,6 +73,57 @@ def get_attempt() -> int:
     (``Checkpointer.restore``); this tells code that wants to act differently on a retry.
     """
     return _environ.attempt()
+
+
+def heartbeat() -> None:
+    """Tell gpufleet this rank is making progress, for code that is silent for longer than
+    ``hang_timeout``. Output on any rank and checkpoint saves count too. Cheap enough to call
+    every step; does nothing outside a gpufleet run."""
+    global _last_heartbeat
+    now = time.monotonic()
+    if now - _last_heartbeat < HEARTBEAT_EVERY_S:
+        return
+    _last_heartbeat = now
+    folder = _environ.run_dir()
+    if folder is None:
+        return
+    path = folder / "heartbeats" / f"rank-{get_global_rank()}"
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        path.touch()
+
+
+def should_stop() -> bool:
+    """True once the run was asked to stop: its caller got SIGTERM (a preemption). Save a
+    checkpoint and return within ``grace_period`` seconds.
+
+    With a process group it is a collective (one small all-reduce on a gloo group of its own),
+    so call it at the same point on every rank, e.g. at the end of each step: every rank gets
+    the same answer at the same step. False outside a gpufleet run.
+    """
+    folder = _environ.run_dir()
+    asked = folder is not None and (folder / "stop-requested").exists()
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return asked
+    if dist.get_world_size() == 1:
+        return asked
+    import torch
+
+    flag = torch.tensor([int(asked)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(dist))
+    return bool(flag.item())
+
+
+def _gloo_group(dist):
+    """A gloo group for should_stop(), made once per default group (creating it is itself a
+    collective, on every rank at the same call)."""
+    global _stop_group
+    default = dist.group.WORLD
+    if _stop_group is None or _stop_group[0] is not default:
+        _stop_group = (default, dist.new_group(backend="gloo"))
+    return _stop_group[1]
 
 
 def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch.device":

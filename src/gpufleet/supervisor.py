@@ -3,18 +3,28 @@ always tear down, and turn what the ranks left behind into results or one error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from gpufleet import _process
-from gpufleet.errors import GpufleetError, RankFailure, RunFailedError, RunTimeoutError
+from gpufleet import _process, diagnosis
+from gpufleet.errors import (
+    GpufleetError,
+    RankFailure,
+    RunFailedError,
+    RunHangError,
+    RunPreemptedError,
+    RunTimeoutError,
+)
 from gpufleet.logs import LogFollower, tail_lines
+from gpufleet.monitor import RunMonitor
 from gpufleet.options import RunOptions
-from gpufleet.payload import load_private
+from gpufleet.payload import load_private, write_private
 from gpufleet.rundir import RunDir
 
 POLL_SECONDS = 0.05
@@ -28,6 +38,8 @@ class Supervisor:
         self.world_size = world_size
         self.options = options
         self.follower = LogFollower(run.log, world_size, options.shows_rank)
+        self.monitor = RunMonitor(run, world_size)
+        self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
 
     def wait(self, deadline: float | None = None) -> list:
         """Block until every rank is done; return their values in rank order or raise.
@@ -36,10 +48,16 @@ class Supervisor:
         """
         if deadline is None and self.options.timeout is not None:
             deadline = time.monotonic() + self.options.timeout
+        error = None
         try:
-            finished = self._follow(deadline)
-            if not finished:
-                self.stop()
+            with self._preemptible():
+                outcome = self._follow(deadline)
+                if outcome == "hang":
+                    error = self._hang_error()
+                elif outcome == "timeout":
+                    error = self._timeout_error(self.monitor.collect_stacks())
+                if outcome != "done":
+                    self.stop()
         except KeyboardInterrupt:
             self.stop()
             print(f"gpufleet: interrupted; stopped every rank of {self.run.name}", file=sys.stderr)
@@ -47,17 +65,58 @@ class Supervisor:
         finally:
             self.follower.close()
             self._sweep()
-        if not finished:
-            raise self._timeout_error()
-        return collect(self.run, self.world_size)
+        if error is not None:
+            raise error
+        if self.stop_deadline is not None:
+            raise self._preempted_error()
+        return collect(self.run, self.world_size, self.monitor)
 
-    def _follow(self, deadline: float | None) -> bool:
+    def _follow(self, deadline: float | None) -> str:
+        """Follow the run until it ends ("done"), or until it must be stopped: "timeout",
+        "hang" or "grace" (the grace period after a SIGTERM is over)."""
+        hang_timeout = self.options.hang_timeout
         while self.agent.poll() is None:
-            self.follower.poll()
-            if deadline is not None and time.monotonic() > deadline:
-                return False
+            if self.follower.poll():
+                self.monitor.progress()
+            self.monitor.sample()
+            now = time.monotonic()
+            if self.stop_deadline is not None and now > self.stop_deadline:
+                return "grace"
+            if deadline is not None and now > deadline:
+                return "timeout"
+            if hang_timeout is not None and self.stop_deadline is None:
+                idle = self.monitor.seconds_without_progress()
+                if idle is not None and idle > hang_timeout:
+                    return "hang"
             time.sleep(POLL_SECONDS)
-        return True
+        return "done"
+
+    @contextlib.contextmanager
+    def _preemptible(self):
+        """While the run goes on, a SIGTERM to this process asks every rank to stop
+        (``runtime.should_stop()``) and starts the grace period; a second one ends it."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # only the main thread may handle signals
+            return
+
+        def on_sigterm(signum, frame):
+            if self.stop_deadline is not None:
+                self.stop_deadline = time.monotonic()
+                return
+            self.stop_deadline = time.monotonic() + self.options.grace_period
+            write_private(self.run.stop_request, b"SIGTERM\n")
+            print(
+                f"gpufleet: SIGTERM: asked every rank to stop (runtime.should_stop() is now True); "
+                f"ranks still running in {self.options.grace_period:g} s will be stopped",
+                file=sys.stderr,
+                flush=True,
+            )
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     def stop(self) -> None:
         """SIGTERM the agent (elastic stops the ranks), then SIGKILL whatever is left."""
@@ -80,13 +139,65 @@ class Supervisor:
         _process.kill_group(self.agent.pid)
         self.agent.wait()
 
-    def _timeout_error(self) -> RunTimeoutError:
+    def _hang_error(self) -> RunHangError:
+        """Every rank's stacks, read for who waits in a collective and who does not."""
+        states = self.monitor.collect_stacks()
+        found, failures = diagnosis.analyse(states, self.world_size, self.run.path / "stacks")
+        for failure in failures:
+            if not failure.collateral:
+                failure.log_tail = tail_lines(self.run.log(failure.rank), count=5)
+        dumps = sorted(p.name for p in self.run.nccl_traces.parent.iterdir() if p.suffix != ".pipe")
+        nccl = f" NCCL flight recorder dumps: {self.run.nccl_traces.parent}." if dumps else ""
+        headline = (
+            f"no progress for hang_timeout={self.options.hang_timeout:g} s (no output and no "
+            f"runtime.heartbeat() on any rank); stopped all {self.world_size} ranks. {found}.{nccl} "
+            "If the silence was expected, call runtime.heartbeat() or pass a larger hang_timeout="
+        )
+        return RunHangError(failures, run_dir=self.run.path, world_size=self.world_size, headline=headline)
+
+    def _preempted_error(self) -> RunPreemptedError:
+        """After a SIGTERM: the ranks' results if all returned in time, else who did not."""
+        values, failures = {}, []
+        for rank in range(self.world_size):
+            status, item = _read_result(self.run, rank)
+            if status == "ok":
+                values[rank] = item
+            elif status == "error":
+                failures.append(item)
+            else:  # no result: stopped at the end of the grace period
+                failures.append(
+                    RankFailure(
+                        rank=rank,
+                        kind="preempted",
+                        summary=f"still running when grace_period={self.options.grace_period:g} s "
+                        "ended; stopped",
+                        log_tail=tail_lines(self.run.log(rank), count=5),
+                    )
+                )
+        if not failures:
+            headline = (
+                f"the caller got SIGTERM; all {self.world_size} ranks stopped within "
+                f"grace_period={self.options.grace_period:g} s (their return values: .results)"
+            )
+            results = [values[r] for r in range(self.world_size)]
+        else:
+            headline = (
+                "the caller got SIGTERM and not every rank returned in time; check "
+                "runtime.should_stop() more often or pass a larger grace_period="
+            )
+            results = None
+        return RunPreemptedError(
+            failures, results=results, run_dir=self.run.path, world_size=self.world_size,
+            headline=headline,
+        )
+
+    def _timeout_error(self, states: dict) -> RunTimeoutError:
         finished = {r for r in range(self.world_size) if self.run.result(r).exists()}
         running = [
             RankFailure(
                 rank=rank,
                 kind="timeout",
-                summary="still running when the timeout expired",
+                summary="still running when the timeout expired" + _where(states.get(rank)),
                 log_tail=tail_lines(self.run.log(rank), count=5),
             )
             for rank in range(self.world_size)
@@ -102,7 +213,17 @@ class Supervisor:
         )
 
 
-def collect(run: RunDir, world_size: int) -> list:
+def _where(state: diagnosis.RankState | None) -> str:
+    if state is None:
+        return ""
+    if state.collective:
+        return f", waiting in {state.collective}" + (
+            f" called at {state.user_frame.where}" if state.user_frame else ""
+        )
+    return f", at {state.user_frame.where}" if state.user_frame else ""
+
+
+def collect(run: RunDir, world_size: int, monitor: RunMonitor | None = None) -> list:
     """Results in rank order, or RunFailedError with the root cause first."""
     report = _read_report(run)
     values, failures = {}, []
@@ -111,7 +232,7 @@ def collect(run: RunDir, world_size: int) -> list:
         if status == "ok":
             values[rank] = item
             continue
-        failure = item or _death(run, rank, report)
+        failure = item or _death(run, rank, report, monitor)
         failure.log_tail = tail_lines(run.log(rank), end=failure.log_bytes)
         failures.append(failure)
     if not failures:
@@ -144,7 +265,7 @@ def _read_report(run: RunDir) -> dict:
         return {"state": "lost"}
 
 
-def _death(run: RunDir, rank: int, report: dict) -> RankFailure:
+def _death(run: RunDir, rank: int, report: dict, monitor: RunMonitor | None = None) -> RankFailure:
     info = report.get("failures", {}).get(str(rank))
     if info is None:
         detail = report.get("error") or "\n".join(tail_lines(run.agent_log))
@@ -164,6 +285,9 @@ def _death(run: RunDir, rank: int, report: dict) -> RankFailure:
         time=float(info.get("time") or 0),
     )
     failure.summary = f"signal {failure.signal_name}" if code < 0 else f"exit code {code}"
+    evidence = monitor.oom_kill_evidence(rank) if monitor and code == -signal.SIGKILL else None
+    if evidence:
+        failure.kind, failure.summary = "host-oom", evidence
     return failure
 
 

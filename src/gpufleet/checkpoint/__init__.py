@@ -90,6 +90,7 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a whole number ≥ 0")
+        runtime.heartbeat()  # a save is progress, however long the steps between are silent
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
         group = self._process_group()
@@ -175,6 +176,7 @@ class Checkpointer:
         Returns the step loaded, which is the number of steps already done: 0 when there is
         no checkpoint yet, so that ``range(ckpt.restore(...), total)`` resumes or starts.
         """
+        runtime.heartbeat()  # a save is progress, however long the steps between are silent
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
         group = self._process_group()

@@ -20,6 +20,7 @@ from gpufleet.rundir import RunDir
 
 
 LOOPBACK_INTERFACE = "lo"
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives remembered per rank
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,22 @@ def plan(run: RunDir, placement: Placement, options: RunOptions, attempt: int = 
     # moves data over NVLink / shared memory). Users who set these keep their choice.
     env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
     env.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+    if placement.device == "cuda":
+        _flight_recorder(env, str(run.nccl_traces))
     argv = [sys.executable, "-m", "gpufleet.launchers._elastic_agent", str(run.path)]
     return LaunchPlan(argv=argv, env=env, nprocs=placement.nprocs)
+
+
+def _flight_recorder(env: dict[str, str], prefix: str) -> None:
+    """PyTorch's NCCL flight recorder on (the last collectives of each rank, kept in memory),
+    dumped into the run folder when a collective times out or when gpufleet asks through the
+    per-rank pipe after a hang. Both the current and the older variable names are set; a
+    user's own setting wins."""
+    if "TORCH_FR_BUFFER_SIZE" not in env:
+        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
+        env.setdefault(name, prefix)
 
 
 def launch(launch_plan: LaunchPlan, run: RunDir) -> subprocess.Popen:

@@ -1,0 +1,172 @@
+"""What a hung run's stacks say: which ranks wait inside a collective, which are elsewhere, and
+so which rank the others wait for.
+
+Each rank dumps its Python stacks (every thread) with ``faulthandler`` when the caller sends
+it SIGUSR1: faulthandler writes from the signal handler in C, so a rank answers even while its
+main thread is blocked inside a collective without the GIL. The dump is parsed here; nothing in
+this module talks to processes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufleet.errors import RankFailure
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S+)')
+MAIN_THREAD_HEADER = "gpufleet main thread "
+
+# Frames in these places are the machinery of a collective, not the code that called it.
+_COLLECTIVE_FILES = (
+    "/torch/distributed/",
+    "/torch/nn/parallel/distributed.py",
+    "/deepspeed/comm/",
+    "/deepspeed/runtime/",
+)
+# Decorators around torch.distributed's functions: not the name of the call.
+_WRAPPERS = ("wrapper", "inner", "decorate_context", "wrapped", "fn")
+# Frames in these places are never "the user's line".
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "/gpufleet/", "<frozen ")
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    @property
+    def where(self) -> str:
+        return f"{Path(self.file).name}:{self.line} in {self.func}"
+
+    def is_collective(self) -> bool:
+        return any(m in self.file for m in _COLLECTIVE_FILES)
+
+    def is_library(self) -> bool:
+        return any(m in self.file for m in _LIBRARY_MARKERS) or "/lib/python3" in self.file
+
+
+@dataclass(frozen=True)
+class RankState:
+    """One rank's main thread, read from its dump (frames innermost first)."""
+
+    rank: int
+    frames: tuple[Frame, ...]
+    text: str  # the whole dump, every thread
+
+    @property
+    def collective(self) -> str | None:
+        """The torch.distributed (or DeepSpeed) call the rank waits in, if any: the outermost
+        frame of that machinery, i.e. the function the user's code called."""
+        inside = [f for f in self.frames if f.is_collective()]
+        named = [f for f in inside if not f.func.startswith("_") and f.func not in _WRAPPERS]
+        return (named or inside)[-1].func if inside else None
+
+    @property
+    def user_frame(self) -> Frame | None:
+        """The innermost frame of the user's own code (not a library, not gpufleet)."""
+        return next((f for f in self.frames if not f.is_library()), None) or (
+            self.frames[0] if self.frames else None
+        )
+
+
+def parse_dump(rank: int, text: str) -> RankState:
+    """The main thread's frames from a faulthandler dump that starts with gpufleet's header
+    line naming the main thread's id."""
+    main_id = None
+    threads: dict[int, list[Frame]] = {}
+    current: list[Frame] | None = None
+    for line in text.splitlines():
+        if line.startswith(MAIN_THREAD_HEADER):
+            main_id = int(line[len(MAIN_THREAD_HEADER):].strip(), 16)
+            continue
+        if match := _THREAD.match(line):
+            current = threads.setdefault(int(match.group(2), 16), [])
+            current.clear()  # a later dump of the same thread replaces an earlier one
+            continue
+        if current is not None and (match := _FRAME.match(line)):
+            current.append(Frame(match["file"], int(match["line"]), match["func"]))
+    frames = threads.get(main_id) if main_id is not None else None
+    if frames is None and threads:  # no header: the first thread listed
+        frames = next(iter(threads.values()))
+    body = text.split("\n", 1)[1] if text.startswith(MAIN_THREAD_HEADER) else text
+    return RankState(rank=rank, frames=tuple(frames or ()), text=body.strip())
+
+
+def analyse(states: dict[int, RankState | None], world_size: int, stacks_dir: Path) -> tuple[str, list[RankFailure]]:
+    """A headline and one failure per rank, the culprits first (not marked collateral).
+
+    Culprits: ranks outside any collective while others wait in one; with every rank in a
+    collective, those in a different one from the rest; with none in a collective, all.
+    A rank that gave no dump is a culprit: it is stuck where Python cannot even be asked.
+    """
+    waiting = {r: s.collective for r, s in states.items() if s is not None and s.collective}
+    silent = sorted(r for r in range(world_size) if states.get(r) is None)
+    if waiting and len(waiting) < world_size:
+        culprits = sorted(set(range(world_size)) - set(waiting))
+    elif waiting:  # every rank in a collective: the odd ones out, if any
+        calls = list(waiting.values())
+        usual = max(set(calls), key=calls.count)
+        culprits = sorted(r for r, c in waiting.items() if c != usual) or sorted(waiting)
+    else:
+        culprits = list(range(world_size))
+    failures = []
+    for rank in range(world_size):
+        state = states.get(rank)
+        culprit = rank in culprits
+        if state is None:
+            summary = "gave no stacks when asked: stuck in native code or stopped"
+        elif state.collective:
+            where = state.user_frame
+            summary = f"waiting in {state.collective}" + (f", called at {where.where}" if where else "")
+        else:
+            where = state.user_frame
+            summary = f"not in a collective: at {where.where}" if where else "no Python frames"
+        failures.append(
+            RankFailure(
+                rank=rank,
+                kind="hang",
+                summary=summary,
+                traceback=_stack_text(state) if culprit and state is not None else "",
+                collateral=not culprit,
+            )
+        )
+    headline = _headline(culprits, waiting, silent, world_size, stacks_dir)
+    return headline, failures
+
+
+def _stack_text(state: RankState) -> str:
+    """The main thread's stack from the user's outermost frame in (gpufleet's and runpy's
+    frames that start every rank are left out)."""
+    frames = list(reversed(state.frames))
+    first = next((i for i, f in enumerate(frames) if not f.is_library()), 0)
+    lines = [f"main thread of rank {state.rank} (most recent call last):"]
+    lines += [f'  File "{f.file}", line {f.line}, in {f.func}' for f in frames[first:]]
+    return "\n".join(lines)
+
+
+def _headline(culprits, waiting, silent, world_size, stacks_dir) -> str:
+    label = ("rank " if len(culprits) == 1 else "ranks ") + ", ".join(map(str, culprits))
+    others = sorted(waiting)
+    if waiting and len(waiting) < world_size:
+        calls = sorted(set(waiting.values()))
+        what = f"{label} {'is' if len(culprits) == 1 else 'are'} not in a collective while " + (
+            ("rank " if len(others) == 1 else "ranks ") + ", ".join(map(str, others))
+            + f" wait{'s' if len(others) == 1 else ''} in {', '.join(calls)}"
+        )
+    elif len(culprits) < world_size:
+        what = f"{label} wait{'s' if len(culprits) == 1 else ''} in a different collective from the others"
+    elif waiting:
+        calls = ", ".join(sorted(set(waiting.values())))
+        what = (
+            f"every rank waits in {calls}: the ranks called different numbers of collectives "
+            "earlier, or a peer's collective never completed"
+        )
+    else:
+        what = "no rank is in a collective: every rank is busy or blocked elsewhere"
+    if silent:
+        what += f"; {'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} gave no stacks"
+    return f"{what}. Stacks of every thread: {stacks_dir}/rank-<N>.txt"

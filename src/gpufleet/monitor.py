@@ -1,0 +1,260 @@
+"""The caller's eyes on a live run: each rank's pid, memory and progress, sampled from /proc
+and the run folder, and each rank's stacks on request.
+
+Sampling is cheap (a few small /proc reads twice a second) and needs nothing from the ranks
+but their pid files, heartbeat files and faulthandler (set up by ``_worker``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpufleet import diagnosis
+from gpufleet.rundir import RunDir
+
+SAMPLE_EVERY_S = 0.5
+STACKS_WAIT_S = 3.0  # how long ranks get to write their stacks
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+GIB = 2**30
+_V2_ROOT = next(
+    (p for p in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")) if (p / "cgroup.procs").exists()),
+    Path("/sys/fs/cgroup"),
+)
+
+
+@dataclass
+class _Rank:
+    pid: int | None = None
+    rss: int = 0  # bytes, at the last sample
+    sampled_at: float = 0.0
+    oom_counters: dict[Path, int] = field(default_factory=dict)  # cgroup file -> count at start
+
+
+class RunMonitor:
+    """Watches the ranks of one run; ``sample()`` is called from the supervisor's loop."""
+
+    def __init__(self, run: RunDir, world_size: int):
+        self.run = run
+        self.world_size = world_size
+        self.ranks = {r: _Rank() for r in range(world_size)}
+        self.global_ooms = _vmstat_oom_kills()
+        self.started_at: float | None = None  # wall time once every rank has a pid
+        self.last_progress = 0.0
+        self._next_sample = 0.0
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def progress(self) -> None:
+        """Output arrived from some rank."""
+        self.last_progress = time.time()
+
+    def seconds_without_progress(self) -> float | None:
+        """None until every rank has started; then seconds since any output or heartbeat."""
+        if self.started_at is None:
+            return None
+        beats = []
+        for rank in range(self.world_size):
+            try:
+                beats.append(self.run.heartbeat(rank).stat().st_mtime)
+            except FileNotFoundError:
+                pass
+        latest = max([self.started_at, self.last_progress, *beats])
+        return time.time() - latest
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sample:
+            return
+        self._next_sample = now + SAMPLE_EVERY_S
+        for rank, state in self.ranks.items():
+            if state.pid is None:
+                state.pid = _read_pid(self.run.pid_file(rank))
+                if state.pid is None:
+                    continue
+            rss = _rss(state.pid)
+            if rss is None:
+                continue
+            state.rss, state.sampled_at = rss, time.time()
+            for counter in _cgroup_oom_files(state.pid):
+                if counter not in state.oom_counters:
+                    count = _oom_kills_in(counter)
+                    if count is not None:
+                        state.oom_counters[counter] = count
+        if self.started_at is None and all(s.pid is not None for s in self.ranks.values()):
+            self.started_at = time.time()
+
+    def pids(self) -> dict[int, int]:
+        return {r: s.pid for r, s in self.ranks.items() if s.pid is not None}
+
+    # -- out of memory ----------------------------------------------------------------------
+
+    def oom_kill_evidence(self, rank: int) -> str | None:
+        """Why a rank that died of SIGKILL was most likely the kernel's OOM killer's victim,
+        or None when no OOM kill happened during the run (in its cgroup or on the host)."""
+        state = self.ranks[rank]
+        seen = []
+        for counter, before in state.oom_counters.items():
+            after = _oom_kills_in(counter)
+            if after is not None and after > before:
+                seen.append(f"{counter.parent}: oom_kill {before} → {after}")
+        now = _vmstat_oom_kills()
+        if self.global_ooms is not None and now is not None and now > self.global_ooms:
+            seen.append(f"/proc/vmstat: oom_kill {self.global_ooms} → {now}")
+        if not seen:
+            return None
+        used = ""
+        if state.sampled_at:
+            ago = max(0.0, time.time() - state.sampled_at)
+            used = f"; it used {state.rss / GIB:.2f} GiB of host memory {ago:.1f} s before it died"
+        limit = _cgroup_limit(state.oom_counters)
+        limit = f" (limit of its cgroup: {limit / GIB:.2f} GiB)" if limit else ""
+        return (
+            "killed by the kernel's out-of-memory killer (SIGKILL; " + "; ".join(seen) + ")"
+            + used + limit
+            + " — use less host memory per rank: smaller batches or fewer DataLoader workers, "
+            "load data lazily, or run fewer ranks"
+        )
+
+    # -- stacks -----------------------------------------------------------------------------
+
+    def collect_stacks(self) -> dict[int, diagnosis.RankState | None]:
+        """Ask every live rank for its stacks (SIGUSR1 → faulthandler) and read them back."""
+        offsets, asked = {}, {}
+        for rank, pid in self.pids().items():
+            path = self.run.stacks(rank)
+            offsets[rank] = path.stat().st_size if path.exists() else 0
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked[rank] = path
+            except ProcessLookupError:
+                pass
+        _request_nccl_dumps(self.run, asked)
+        end = time.monotonic() + STACKS_WAIT_S
+        states: dict[int, diagnosis.RankState | None] = {r: None for r in range(self.world_size)}
+        pending = set(asked)
+        while pending and time.monotonic() < end:
+            time.sleep(0.1)
+            for rank in sorted(pending):
+                text = _dump_since(asked[rank], offsets[rank])
+                if text is not None:
+                    states[rank] = diagnosis.parse_dump(rank, text)
+                    pending.discard(rank)
+        return states
+
+
+def _dump_since(path: Path, offset: int) -> str | None:
+    """The header plus the dump written after ``offset``, once it looks complete."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    new = data[offset:].decode(errors="replace")
+    if "(most recent call first)" not in new:
+        return None
+    time.sleep(0.05)  # faulthandler writes thread by thread: let it finish
+    data = path.read_bytes()
+    header = data.split(b"\n", 1)[0].decode(errors="replace")
+    return header + "\n" + data[offset:].decode(errors="replace")
+
+
+def _request_nccl_dumps(run: RunDir, ranks) -> None:
+    """Ask PyTorch's NCCL flight recorder of each rank for a dump (through the pipe that
+    TORCH_NCCL_DEBUG_INFO_PIPE_FILE makes it open); nothing to do on CPU runs."""
+    for rank in ranks:
+        pipe = Path(f"{run.nccl_traces}{rank}.pipe")
+        if not pipe.exists():
+            continue
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # nobody reads it (any more)
+            continue
+        try:
+            os.write(fd, b"1\n")
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _vmstat_oom_kills() -> int | None:
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_oom_files(pid: int) -> list[Path]:
+    """The files counting OOM kills of the process's memory cgroup and its ancestors
+    (cgroup v2 ``memory.events``, v1 ``memory.oom_control``)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 (under .../unified on hybrid hosts)
+            base, name = _V2_ROOT, "memory.events"
+        elif "memory" in controllers.split(","):  # v1
+            base, name = Path("/sys/fs/cgroup/memory"), "memory.oom_control"
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        while True:
+            if (folder / name).exists():
+                files.append(folder / name)
+            if folder == base:
+                break
+            folder = folder.parent
+    return files
+
+
+def _oom_kills_in(path: Path) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _cgroup_limit(counters: dict[Path, int]) -> int | None:
+    """The tightest memory limit among the cgroups watched, in bytes."""
+    limits = []
+    for counter in counters:
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            try:
+                value = (counter.parent / name).read_text().strip()
+            except OSError:
+                continue
+            if value.isdigit() and int(value) < 2**60:
+                limits.append(int(value))
+    return min(limits) if limits else None
