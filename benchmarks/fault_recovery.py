@@ -65,7 +65,7 @@ def fail(how: str, stamp: str) -> None:
     dist.all_reduce(torch.ones(1, device=device))  # rank 0 waits for rank 1 here
 
 
-def detect(how: str, gpus: int | None) -> tuple[float, str]:
+def detect(how: str, gpus: int | None, errors: Path | None) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as tmp:
         stamp = f"{tmp}/stamp"
         try:
@@ -73,6 +73,8 @@ def detect(how: str, gpus: int | None) -> tuple[float, str]:
         except RunFailedError as error:
             caught = time.time()
             root = error.failures[0]
+            if errors:
+                (errors / f"{how}.txt").write_text(f"{type(error).__name__}: {error}\n")
             return caught - float(Path(stamp).read_text()), f"rank {root.rank} {root.kind}"
     raise AssertionError(f"{how}: the run did not fail")
 
@@ -132,12 +134,15 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=None)
     parser.add_argument("--faults", default=",".join(FAULTS) + ",recovery")
     parser.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
+    parser.add_argument("--errors", type=Path, default=None, help="write each fault's error text here")
     args = parser.parse_args()
+    if args.errors:
+        args.errors.mkdir(parents=True, exist_ok=True)
     rows = []
     for how in args.faults.split(","):
         times, notes = [], set()
         for _ in range(args.trials):
-            seconds, note = recover(args.gpus) if how == "recovery" else detect(how, args.gpus)
+            seconds, note = recover(args.gpus) if how == "recovery" else detect(how, args.gpus, args.errors)
             times.append(seconds)
             notes.add(note)
             print(f"{how:<10} {seconds:6.2f} s  {note}", flush=True)

@@ -9,8 +9,10 @@ this module talks to processes.
 
 from __future__ import annotations
 
+import io
+import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpufleet.errors import RankFailure
@@ -51,26 +53,73 @@ class Frame:
 
 @dataclass(frozen=True)
 class RankState:
-    """One rank's main thread, read from its dump (frames innermost first)."""
+    """One rank's main thread, read from its dump (frames innermost first), and what NCCL's
+    flight recorder says it has launched but not finished."""
 
     rank: int
     frames: tuple[Frame, ...]
     text: str  # the whole dump, every thread
+    nccl_pending: str | None = None  # e.g. "all_reduce": launched, never completed
+    nccl_caller: Frame | None = None  # the user's line that launched it
 
     @property
     def collective(self) -> str | None:
         """The torch.distributed (or DeepSpeed) call the rank waits in, if any: the outermost
-        frame of that machinery, i.e. the function the user's code called."""
+        frame of that machinery, i.e. the function the user's code called. On GPUs a
+        collective returns at once and the rank waits later (``.item()``, a synchronize):
+        there the flight recorder's unfinished collective counts."""
         inside = [f for f in self.frames if f.is_collective()]
         named = [f for f in inside if not f.func.startswith("_") and f.func not in _WRAPPERS]
-        return (named or inside)[-1].func if inside else None
+        if inside:
+            return (named or inside)[-1].func
+        return self.nccl_pending
 
     @property
     def user_frame(self) -> Frame | None:
         """The innermost frame of the user's own code (not a library, not gpufleet)."""
+        if self.nccl_pending and self.nccl_caller and not any(f.is_collective() for f in self.frames):
+            return self.nccl_caller
         return next((f for f in self.frames if not f.is_library()), None) or (
             self.frames[0] if self.frames else None
         )
+
+
+def with_flight_record(state: RankState, dump: Path) -> RankState:
+    """The state plus the first collective the rank's NCCL flight recorder holds as launched
+    but not completed; the state unchanged when there is no readable dump."""
+    try:
+        record = _FlightRecordReader(io.BytesIO(dump.read_bytes())).load()
+        entries = record.get("entries", [])
+    except Exception:  # no dump, a partial one, another format: the stacks still speak
+        return state
+    for entry in entries:
+        if not isinstance(entry, dict) or entry.get("state") == "completed":
+            continue
+        name = str(entry.get("profiling_name", "collective")).rsplit(":", 1)[-1]
+        frames = [
+            Frame(str(f.get("filename", "")), int(f.get("line", 0)), str(f.get("name", "")))
+            for f in entry.get("frames") or []
+            if isinstance(f, dict)
+        ]
+        caller = next((f for f in frames if not f.is_library() and f.file), None)
+        return replace(state, nccl_pending=name, nccl_caller=caller)
+    return state
+
+
+class _FlightRecordReader(pickle.Unpickler):
+    """The flight recorder's dump is a pickle of plain containers; PyTorch's pickler may tag
+    typed lists. Nothing else may be loaded: a dump is data, never code."""
+
+    _TAGS = {"build_intlist", "build_doublelist", "build_boollist", "build_stringlist", "restore_type_tag"}
+
+    def find_class(self, module, name):
+        if module == "torch.jit._pickle" and name in self._TAGS:
+            return _first
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a flight-recorder dump")
+
+
+def _first(value, *rest):
+    return value
 
 
 def parse_dump(rank: int, text: str) -> RankState:
@@ -96,28 +145,34 @@ def parse_dump(rank: int, text: str) -> RankState:
     return RankState(rank=rank, frames=tuple(frames or ()), text=body.strip())
 
 
-def analyse(states: dict[int, RankState | None], world_size: int, stacks_dir: Path) -> tuple[str, list[RankFailure]]:
+def analyse(
+    states: dict[int, RankState | None], world_size: int, stacks_dir: Path, finished: set[int] = frozenset()
+) -> tuple[str, list[RankFailure]]:
     """A headline and one failure per rank, the culprits first (not marked collateral).
 
     Culprits: ranks outside any collective while others wait in one; with every rank in a
     collective, those in a different one from the rest; with none in a collective, all.
     A rank that gave no dump is a culprit: it is stuck where Python cannot even be asked.
+    Ranks that already returned (``finished``) wait for the others and are never culprits.
     """
-    waiting = {r: s.collective for r, s in states.items() if s is not None and s.collective}
-    silent = sorted(r for r in range(world_size) if states.get(r) is None)
-    if waiting and len(waiting) < world_size:
-        culprits = sorted(set(range(world_size)) - set(waiting))
+    waiting = {r: s.collective for r, s in states.items() if s is not None and s.collective and r not in finished}
+    silent = sorted(r for r in range(world_size) if states.get(r) is None and r not in finished)
+    live = sorted(set(range(world_size)) - set(finished))
+    if waiting and len(waiting) < len(live):
+        culprits = sorted(set(live) - set(waiting))
     elif waiting:  # every rank in a collective: the odd ones out, if any
         calls = list(waiting.values())
         usual = max(set(calls), key=calls.count)
         culprits = sorted(r for r, c in waiting.items() if c != usual) or sorted(waiting)
     else:
-        culprits = list(range(world_size))
+        culprits = live
     failures = []
     for rank in range(world_size):
         state = states.get(rank)
         culprit = rank in culprits
-        if state is None:
+        if rank in finished:
+            summary = "returned; waiting for the other ranks to finish"
+        elif state is None:
             summary = "gave no stacks when asked: stuck in native code or stopped"
         elif state.collective:
             where = state.user_frame
@@ -134,7 +189,7 @@ def analyse(states: dict[int, RankState | None], world_size: int, stacks_dir: Pa
                 collateral=not culprit,
             )
         )
-    headline = _headline(culprits, waiting, silent, world_size, stacks_dir)
+    headline = _headline(culprits, waiting, silent, len(live), stacks_dir)
     return headline, failures
 
 
@@ -148,16 +203,16 @@ def _stack_text(state: RankState) -> str:
     return "\n".join(lines)
 
 
-def _headline(culprits, waiting, silent, world_size, stacks_dir) -> str:
+def _headline(culprits, waiting, silent, live, stacks_dir) -> str:
     label = ("rank " if len(culprits) == 1 else "ranks ") + ", ".join(map(str, culprits))
     others = sorted(waiting)
-    if waiting and len(waiting) < world_size:
+    if waiting and len(waiting) < live:
         calls = sorted(set(waiting.values()))
         what = f"{label} {'is' if len(culprits) == 1 else 'are'} not in a collective while " + (
             ("rank " if len(others) == 1 else "ranks ") + ", ".join(map(str, others))
             + f" wait{'s' if len(others) == 1 else ''} in {', '.join(calls)}"
         )
-    elif len(culprits) < world_size:
+    elif len(culprits) < live:
         what = f"{label} wait{'s' if len(culprits) == 1 else ''} in a different collective from the others"
     elif waiting:
         calls = ", ".join(sorted(set(waiting.values())))

@@ -115,7 +115,8 @@ class RunMonitor:
         limit = _cgroup_limit(state.oom_counters)
         limit = f" (limit of its cgroup: {limit / GIB:.2f} GiB)" if limit else ""
         return (
-            "killed by the kernel's out-of-memory killer (SIGKILL; " + "; ".join(seen) + ")"
+            "SIGKILL, most likely from the kernel's out-of-memory killer: it counted kills "
+            "during the run (" + "; ".join(seen) + ")"
             + used + limit
             + " — use less host memory per rank: smaller batches or fewer DataLoader workers, "
             "load data lazily, or run fewer ranks"
@@ -145,6 +146,15 @@ class RunMonitor:
                 if text is not None:
                     states[rank] = diagnosis.parse_dump(rank, text)
                     pending.discard(rank)
+        nccl = {r: Path(f"{self.run.nccl_traces}{r}") for r in asked}
+        if any(Path(f"{p}.pipe").exists() for p in nccl.values()):
+            # NCCL's monitor thread reads its pipe about once a second, then dumps.
+            while time.monotonic() < end + STACKS_WAIT_S and not all(p.exists() for p in nccl.values()):
+                time.sleep(0.1)
+            time.sleep(0.2)
+        for rank, state in states.items():
+            if state is not None and rank in nccl:
+                states[rank] = diagnosis.with_flight_record(state, nccl[rank])
         return states
 
 

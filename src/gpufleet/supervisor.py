@@ -142,7 +142,8 @@ class Supervisor:
     def _hang_error(self) -> RunHangError:
         """Every rank's stacks, read for who waits in a collective and who does not."""
         states = self.monitor.collect_stacks()
-        found, failures = diagnosis.analyse(states, self.world_size, self.run.path / "stacks")
+        finished = {r for r in range(self.world_size) if self.run.result(r).exists()}
+        found, failures = diagnosis.analyse(states, self.world_size, self.run.path / "stacks", finished)
         for failure in failures:
             if not failure.collateral:
                 failure.log_tail = tail_lines(self.run.log(failure.rank), count=5)
