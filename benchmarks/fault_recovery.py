@@ -29,7 +29,7 @@ from pathlib import Path
 
 from gpufleet import RunFailedError, distributed, runtime
 
-HANG_TIMEOUT = 5.0
+HANG_TIMEOUT = 10.0  # above the slowest silent start-up (a cold `import torch` on a GPU host)
 FAULTS = ("exception", "os._exit", "SIGKILL", "SIGSEGV", "host-oom", "hang")
 
 

@@ -190,6 +190,12 @@ def analyse(
             )
         )
     headline = _headline(culprits, waiting, silent, len(live), stacks_dir)
+    if finished:
+        done = sorted(finished)
+        headline = (
+            f"{'rank' if len(done) == 1 else 'ranks'} {', '.join(map(str, done))} returned and "
+            f"wait{'s' if len(done) == 1 else ''} for the rest; " + headline
+        )
     return headline, failures
 
 
@@ -199,7 +205,11 @@ def _stack_text(state: RankState) -> str:
     frames = list(reversed(state.frames))
     first = next((i for i, f in enumerate(frames) if not f.is_library()), 0)
     lines = [f"main thread of rank {state.rank} (most recent call last):"]
-    lines += [f'  File "{f.file}", line {f.line}, in {f.func}' for f in frames[first:]]
+    lines += [
+        f'  File "{f.file}", line {f.line}, in {f.func}'
+        for f in frames[first:]
+        if not f.file.startswith("<frozen importlib")  # an import's machinery, not its place
+    ]
     return "\n".join(lines)
 
 
@@ -221,7 +231,7 @@ def _headline(culprits, waiting, silent, live, stacks_dir) -> str:
             "earlier, or a peer's collective never completed"
         )
     else:
-        what = "no rank is in a collective: every rank is busy or blocked elsewhere"
+        what = f"{label} {'is' if len(culprits) == 1 else 'are'} busy or blocked outside any collective"
     if silent:
         what += f"; {'rank' if len(silent) == 1 else 'ranks'} {', '.join(map(str, silent))} gave no stacks"
     return f"{what}. Stacks of every thread: {stacks_dir}/rank-<N>.txt"

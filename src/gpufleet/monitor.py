@@ -18,6 +18,7 @@ from gpufleet.rundir import RunDir
 
 SAMPLE_EVERY_S = 0.5
 STACKS_WAIT_S = 3.0  # how long ranks get to write their stacks
+NCCL_DUMP_WAIT_S = 2.0  # and their NCCL flight recorders to dump, after that
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 GIB = 2**30
 _V2_ROOT = next(
@@ -124,10 +125,13 @@ class RunMonitor:
 
     # -- stacks -----------------------------------------------------------------------------
 
-    def collect_stacks(self) -> dict[int, diagnosis.RankState | None]:
-        """Ask every live rank for its stacks (SIGUSR1 → faulthandler) and read them back."""
+    def collect_stacks(self, skip=()) -> dict[int, diagnosis.RankState | None]:
+        """Ask every live rank (but those in ``skip``) for its stacks (SIGUSR1 →
+        faulthandler) and read them back."""
         offsets, asked = {}, {}
         for rank, pid in self.pids().items():
+            if rank in skip:
+                continue
             path = self.run.stacks(rank)
             offsets[rank] = path.stat().st_size if path.exists() else 0
             try:
@@ -149,7 +153,8 @@ class RunMonitor:
         nccl = {r: Path(f"{self.run.nccl_traces}{r}") for r in asked}
         if any(Path(f"{p}.pipe").exists() for p in nccl.values()):
             # NCCL's monitor thread reads its pipe about once a second, then dumps.
-            while time.monotonic() < end + STACKS_WAIT_S and not all(p.exists() for p in nccl.values()):
+            until = time.monotonic() + NCCL_DUMP_WAIT_S
+            while time.monotonic() < until and not all(p.exists() for p in nccl.values()):
                 time.sleep(0.1)
             time.sleep(0.2)
         for rank, state in states.items():

@@ -54,6 +54,8 @@ class Supervisor:
                 outcome = self._follow(deadline)
                 if outcome == "hang":
                     error = self._hang_error()
+                    if self.agent.poll() is not None:  # it ended while we looked: not a hang
+                        outcome, error = "done", None
                 elif outcome == "timeout":
                     error = self._timeout_error(self.monitor.collect_stacks())
                 if outcome != "done":
@@ -141,8 +143,8 @@ class Supervisor:
 
     def _hang_error(self) -> RunHangError:
         """Every rank's stacks, read for who waits in a collective and who does not."""
-        states = self.monitor.collect_stacks()
         finished = {r for r in range(self.world_size) if self.run.result(r).exists()}
+        states = self.monitor.collect_stacks(skip=finished)
         found, failures = diagnosis.analyse(states, self.world_size, self.run.path / "stacks", finished)
         for failure in failures:
             if not failure.collateral:
