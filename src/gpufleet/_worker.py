@@ -67,7 +67,8 @@ def _answer_stack_requests(path: Path) -> None:
     """On SIGUSR1, faulthandler writes every thread's Python stack to the rank's stacks file
     from C, so the rank answers even while blocked in a collective. The first line names the
     main thread, which the caller's diagnosis reads first."""
-    stacks = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    stacks = os.fdopen(fd, "a", encoding="utf-8")  # open for the process's life
     stacks.write(f"{diagnosis.MAIN_THREAD_HEADER}{threading.main_thread().ident:#x}\n")
     stacks.flush()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)

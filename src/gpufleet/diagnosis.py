@@ -59,8 +59,8 @@ class RankState:
     rank: int
     frames: tuple[Frame, ...]
     text: str  # the whole dump, every thread
-    nccl_pending: str | None = None  # e.g. "all_reduce": launched, never completed
-    nccl_caller: Frame | None = None  # the user's line that launched it
+    unfinished: str | None = None  # e.g. "all_reduce": launched, never completed
+    unfinished_caller: Frame | None = None  # the user's line that launched it
 
     @property
     def collective(self) -> str | None:
@@ -72,13 +72,13 @@ class RankState:
         named = [f for f in inside if not f.func.startswith("_") and f.func not in _WRAPPERS]
         if inside:
             return (named or inside)[-1].func
-        return self.nccl_pending
+        return self.unfinished
 
     @property
     def user_frame(self) -> Frame | None:
         """The innermost frame of the user's own code (not a library, not gpufleet)."""
-        if self.nccl_pending and self.nccl_caller and not any(f.is_collective() for f in self.frames):
-            return self.nccl_caller
+        if self.unfinished and self.unfinished_caller and not any(f.is_collective() for f in self.frames):
+            return self.unfinished_caller
         return next((f for f in self.frames if not f.is_library()), None) or (
             self.frames[0] if self.frames else None
         )
@@ -93,7 +93,8 @@ def with_flight_record(state: RankState, dump: Path) -> RankState:
     except Exception:  # no dump, a partial one, another format: the stacks still speak
         return state
     for entry in entries:
-        if not isinstance(entry, dict) or entry.get("state") == "completed":
+        # Without timing, entries stay "scheduled"; finished ones are marked retired.
+        if not isinstance(entry, dict) or entry.get("retired") or entry.get("state") == "completed":
             continue
         name = str(entry.get("profiling_name", "collective")).rsplit(":", 1)[-1]
         frames = [
@@ -102,7 +103,7 @@ def with_flight_record(state: RankState, dump: Path) -> RankState:
             if isinstance(f, dict)
         ]
         caller = next((f for f in frames if not f.is_library() and f.file), None)
-        return replace(state, nccl_pending=name, nccl_caller=caller)
+        return replace(state, unfinished=name, unfinished_caller=caller)
     return state
 
 

@@ -90,8 +90,8 @@ def heartbeat() -> None:
     path = folder / "heartbeats" / f"rank-{get_global_rank()}"
     try:
         os.utime(path)
-    except FileNotFoundError:
-        path.touch()
+    except FileNotFoundError:  # the first beat: private, like everything in the run folder
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
 def should_stop() -> bool:

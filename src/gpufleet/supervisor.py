@@ -71,7 +71,7 @@ class Supervisor:
             raise error
         if self.stop_deadline is not None:
             raise self._preempted_error()
-        return collect(self.run, self.world_size, self.monitor)
+        return collect(self.run, self.world_size, self.monitor, self.agent)
 
     def _follow(self, deadline: float | None) -> str:
         """Follow the run until it ends ("done"), or until it must be stopped: "timeout",
@@ -149,8 +149,10 @@ class Supervisor:
         for failure in failures:
             if not failure.collateral:
                 failure.log_tail = tail_lines(self.run.log(failure.rank), count=5)
-        dumps = sorted(p.name for p in self.run.nccl_traces.parent.iterdir() if p.suffix != ".pipe")
-        nccl = f" NCCL flight recorder dumps: {self.run.nccl_traces.parent}." if dumps else ""
+        folder = self.run.nccl_traces.parent
+        nccl = f" NCCL flight recorder dumps (asked for; written within seconds): {folder}." if any(
+            folder.glob("*.pipe")
+        ) else ""
         headline = (
             f"no progress for hang_timeout={self.options.hang_timeout:g} s (no output and no "
             f"runtime.heartbeat() on any rank); stopped all {self.world_size} ranks. {found}.{nccl} "
@@ -226,7 +228,9 @@ def _where(state: diagnosis.RankState | None) -> str:
     return f", at {state.user_frame.where}" if state.user_frame else ""
 
 
-def collect(run: RunDir, world_size: int, monitor: RunMonitor | None = None) -> list:
+def collect(
+    run: RunDir, world_size: int, monitor: RunMonitor | None = None, agent: subprocess.Popen | None = None
+) -> list:
     """Results in rank order, or RunFailedError with the root cause first."""
     report = _read_report(run)
     values, failures = {}, []
@@ -241,8 +245,28 @@ def collect(run: RunDir, world_size: int, monitor: RunMonitor | None = None) -> 
     if not failures:
         return [values[rank] for rank in range(world_size)]
     failures, stopped = _split_stopped(failures)
-    error = RunFailedError(failures, run_dir=run.path, world_size=world_size, stopped=stopped)
+    headline = _lost_launcher(agent) if report.get("state") == "lost" and agent else None
+    error = RunFailedError(
+        failures, run_dir=run.path, world_size=world_size, stopped=stopped, headline=headline
+    )
     raise error from _original_exception(error)
+
+
+def _lost_launcher(agent: subprocess.Popen) -> str:
+    """The launcher (elastic's agent) ended without its report: it was killed or crashed,
+    and its ranks died with it (they have PR_SET_PDEATHSIG on it)."""
+    code = agent.returncode
+    if code is not None and code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    return (
+        f"the launcher process (torch elastic agent, pid {agent.pid}) {how} before the ranks "
+        "finished; they were stopped with it"
+    )
 
 
 def _read_result(run: RunDir, rank: int) -> tuple[str, object]:
