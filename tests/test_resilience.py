@@ -89,6 +89,7 @@ def test_a_stalled_rank_is_named_with_its_line_and_every_stack_is_kept(runs_dir,
         import torch
         import torch.distributed as dist
 
+        print("imported", flush=True)
         runtime.setup(timeout=60)  # longer than hang_timeout: gloo must not time out first
         rank = runtime.get_global_rank()
         with open(f"{pid_path}/rank-{rank}", "w") as f:
@@ -96,9 +97,9 @@ def test_a_stalled_rank_is_named_with_its_line_and_every_stack_is_kept(runs_dir,
         print(f"rank {rank} reached the barrier", flush=True)
         dist.barrier()
         if rank == 1:
-            print("rank 1 stalls now", flush=True)  # its last output
-            with open(stamp_path, "w") as f:
+            with open(stamp_path, "w") as f:  # stamped first: its last output comes after
                 f.write(repr(time.time()))
+            print("rank 1 stalls now", flush=True)  # its last output
             time.sleep(600)  # STALL-MARKER
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1
         return rank
@@ -149,13 +150,16 @@ def test_heartbeats_or_output_on_any_rank_keep_a_quiet_run_alive(progress, runs_
         print("starting", flush=True)  # output is progress: the hang clock restarts
         import torch.distributed as dist
 
+        print("imported", flush=True)
         runtime.setup(timeout=60)
         rank = runtime.get_global_rank()
         with open(f"{pid_path}/rank-{rank}", "w") as f:
             f.write(str(os.getpid()))
+        print("set up", flush=True)
         dist.barrier()
+        began = time.monotonic()
+        end = began + QUIET_RUN_S
         ticks = 0
-        end = time.monotonic() + QUIET_RUN_S
         while time.monotonic() < end:
             time.sleep(PROGRESS_EVERY_S)
             ticks += 1
@@ -164,12 +168,12 @@ def test_heartbeats_or_output_on_any_rank_keep_a_quiet_run_alive(progress, runs_
             if progress == "output on rank 1" and rank == 1:
                 print(f"tick {ticks}", flush=True)  # the only sign of life
         dist.barrier()
-        return ticks
+        return time.monotonic() - began
 
-    ticks = quiet_worker.distributed(progress, str(pid_dir))
+    quiet_for = quiet_worker.distributed(progress, str(pid_dir))
 
-    assert len(ticks) == 2
-    assert all(t >= QUIET_RUN_S / PROGRESS_EVERY_S - 2 for t in ticks), ticks
+    assert len(quiet_for) == 2
+    assert all(s >= QUIET_RUN_S for s in quiet_for), quiet_for
     assert_all_gone(rank_processes(pid_dir), what="ranks after the quiet run")
 
 
@@ -208,7 +212,9 @@ def test_a_hang_is_retried_like_any_failure(runs_dir, tmp_path):
         print("starting", flush=True)  # output is progress: the hang clock restarts
         import torch.distributed as dist
 
+        print("imported", flush=True)
         runtime.setup(timeout=60)
+        print("set up", flush=True)
         rank, attempt = runtime.get_global_rank(), runtime.get_attempt()
         os.makedirs(f"{pid_path}/attempt-{attempt}", exist_ok=True)
         with open(f"{pid_path}/attempt-{attempt}/rank-{rank}", "w") as f:

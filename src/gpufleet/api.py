@@ -13,7 +13,7 @@ from gpufleet.errors import ConfigError, RunFailedError, RunPreemptedError, RunT
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
-from gpufleet.supervisor import Supervisor
+from gpufleet.supervisor import Preemption, Supervisor
 
 R = TypeVar("R")
 
@@ -62,12 +62,17 @@ class DistributedFunction(Generic[R]):
         if placement.device == "cpu":
             print(f"gpufleet: {placement.describe()}", file=sys.stderr, flush=True)
         deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+        with Preemption().installed() as preemption:
+            return self._attempts(payload, placement, deadline, preemption)
+
+    def _attempts(self, payload: bytes, placement, deadline: float | None, preemption: Preemption) -> list[R]:
+        opts = self._options
         earlier: list[RunFailedError] = []
         while True:
             try:
-                return self._run(payload, placement, len(earlier), deadline)
+                return self._run(payload, placement, len(earlier), deadline, preemption)
             except RunFailedError as error:
-                if len(earlier) == opts.max_retries or not _retryable(error, opts.no_retry):
+                if preemption.requested_at is not None or len(earlier) == opts.max_retries or not _retryable(error, opts.no_retry):
                     if not earlier:
                         raise
                     raise error.after(earlier) from error.__cause__
@@ -79,14 +84,16 @@ class DistributedFunction(Generic[R]):
                     flush=True,
                 )
 
-    def _run(self, payload: bytes, placement, attempt: int, deadline: float | None) -> list[R]:
+    def _run(
+        self, payload: bytes, placement, attempt: int, deadline: float | None, preemption: Preemption
+    ) -> list[R]:
         """One attempt: a run folder of its own, an agent, its ranks."""
         opts = self._options
         run = RunDir.create(opts.runs_dir, self.__name__)
         write_private(run.payload, payload)
         launcher = launchers.get("local")
         agent = launcher.launch(launcher.plan(run, placement, opts, attempt), run)
-        return Supervisor(run, agent, placement.nprocs, opts).wait(deadline)
+        return Supervisor(run, agent, placement.nprocs, opts, preemption).wait(deadline)
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"

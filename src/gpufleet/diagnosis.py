@@ -22,12 +22,9 @@ _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S
 MAIN_THREAD_HEADER = "gpufleet main thread "
 
 # Frames in these places are the machinery of a collective, not the code that called it.
-_COLLECTIVE_FILES = (
-    "/torch/distributed/",
-    "/torch/nn/parallel/distributed.py",
-    "/deepspeed/comm/",
-    "/deepspeed/runtime/",
-)
+# (DCP's own collectives go through distributed_c10d; its file I/O is not a collective.)
+_COLLECTIVE_FILES = ("/torch/distributed/", "/deepspeed/comm/")
+_NOT_COLLECTIVE_FILES = ("/torch/distributed/checkpoint/filesystem.py", "/torch/distributed/checkpoint/_fsspec")
 # Decorators around torch.distributed's functions: not the name of the call.
 _WRAPPERS = ("wrapper", "inner", "decorate_context", "wrapped", "fn")
 # Frames in these places are never "the user's line".
@@ -45,7 +42,9 @@ class Frame:
         return f"{Path(self.file).name}:{self.line} in {self.func}"
 
     def is_collective(self) -> bool:
-        return any(m in self.file for m in _COLLECTIVE_FILES)
+        return any(m in self.file for m in _COLLECTIVE_FILES) and not any(
+            m in self.file for m in _NOT_COLLECTIVE_FILES
+        )
 
     def is_library(self) -> bool:
         return any(m in self.file for m in _LIBRARY_MARKERS) or "/lib/python3" in self.file
@@ -68,16 +67,26 @@ class RankState:
         frame of that machinery, i.e. the function the user's code called. On GPUs a
         collective returns at once and the rank waits later (``.item()``, a synchronize):
         there the flight recorder's unfinished collective counts."""
-        inside = [f for f in self.frames if f.is_collective()]
+        inside = self._innermost_collective_frames()
         named = [f for f in inside if not f.func.startswith("_") and f.func not in _WRAPPERS]
         if inside:
             return (named or inside)[-1].func
         return self.unfinished
 
+    def _innermost_collective_frames(self) -> list[Frame]:
+        """The collective machinery the rank is blocked in: the run of such frames at the top
+        of its stack. Code that merely runs *under* DDP's or FSDP's forward is not waiting."""
+        inside = []
+        for frame in self.frames:
+            if not frame.is_collective():
+                break
+            inside.append(frame)
+        return inside
+
     @property
     def user_frame(self) -> Frame | None:
         """The innermost frame of the user's own code (not a library, not gpufleet)."""
-        if self.unfinished and self.unfinished_caller and not any(f.is_collective() for f in self.frames):
+        if self.unfinished and self.unfinished_caller and not self._innermost_collective_frames():
             return self.unfinished_caller
         return next((f for f in self.frames if not f.is_library()), None) or (
             self.frames[0] if self.frames else None
@@ -123,6 +132,21 @@ def _first(value, *rest):
     return value
 
 
+def main_thread_id(header: str) -> int | None:
+    """The main thread's id from the first line of a rank's stacks file."""
+    if not header.startswith(MAIN_THREAD_HEADER):
+        return None
+    try:
+        return int(header[len(MAIN_THREAD_HEADER):].strip(), 16)
+    except ValueError:
+        return None
+
+
+def thread_ids(text: str) -> set[int]:
+    """The ids of the threads whose stacks a dump holds."""
+    return {int(m.group(2), 16) for line in text.splitlines() if (m := _THREAD.match(line))}
+
+
 def parse_dump(rank: int, text: str) -> RankState:
     """The main thread's frames from a faulthandler dump that starts with gpufleet's header
     line naming the main thread's id."""
@@ -131,7 +155,7 @@ def parse_dump(rank: int, text: str) -> RankState:
     current: list[Frame] | None = None
     for line in text.splitlines():
         if line.startswith(MAIN_THREAD_HEADER):
-            main_id = int(line[len(MAIN_THREAD_HEADER):].strip(), 16)
+            main_id = main_thread_id(line)
             continue
         if match := _THREAD.match(line):
             current = threads.setdefault(int(match.group(2), 16), [])
@@ -139,9 +163,10 @@ def parse_dump(rank: int, text: str) -> RankState:
             continue
         if current is not None and (match := _FRAME.match(line)):
             current.append(Frame(match["file"], int(match["line"]), match["func"]))
-    frames = threads.get(main_id) if main_id is not None else None
-    if frames is None and threads:  # no header: the first thread listed
-        frames = next(iter(threads.values()))
+    if main_id is not None:
+        frames = threads.get(main_id)
+    else:  # no header: the thread that took the signal
+        frames = next(iter(threads.values()), None)
     body = text.split("\n", 1)[1] if text.startswith(MAIN_THREAD_HEADER) else text
     return RankState(rank=rank, frames=tuple(frames or ()), text=body.strip())
 
@@ -161,10 +186,11 @@ def analyse(
     live = sorted(set(range(world_size)) - set(finished))
     if waiting and len(waiting) < len(live):
         culprits = sorted(set(live) - set(waiting))
-    elif waiting:  # every rank in a collective: the odd ones out, if any
+    elif waiting:  # every rank in a collective: the odd ones out, if a majority shows which
         calls = list(waiting.values())
-        usual = max(set(calls), key=calls.count)
-        culprits = sorted(r for r, c in waiting.items() if c != usual) or sorted(waiting)
+        counts = sorted((calls.count(c), c) for c in set(calls))
+        usual = counts[-1][1] if len(counts) == 1 or counts[-1][0] > counts[-2][0] else None
+        culprits = sorted(r for r, c in waiting.items() if usual is not None and c != usual) or sorted(waiting)
     else:
         culprits = live
     failures = []
@@ -225,6 +251,9 @@ def _headline(culprits, waiting, silent, live, stacks_dir) -> str:
         )
     elif len(culprits) < live:
         what = f"{label} wait{'s' if len(culprits) == 1 else ''} in a different collective from the others"
+    elif len(set(waiting.values())) > 1:
+        calls = ", ".join(sorted(set(waiting.values())))
+        what = f"the ranks wait in different collectives ({calls}): they called them in different orders"
     elif waiting:
         calls = ", ".join(sorted(set(waiting.values())))
         what = (

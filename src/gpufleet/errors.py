@@ -6,6 +6,7 @@ the remote traceback as text, and puts the root cause first.
 
 from __future__ import annotations
 
+import copy
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,13 +114,12 @@ class RunFailedError(GpufleetError, RuntimeError):
 
     def after(self, earlier: list["RunFailedError"]) -> "RunFailedError":
         """This error as the last of several attempts, listing the earlier ones' root causes."""
-        lines = [
+        later = copy.copy(self)  # through __reduce__: every subclass keeps its own fields
+        later.attempts = [
             f"attempt {i + 1}: {e.root_line()} (run folder {e.run_dir})" for i, e in enumerate(earlier)
         ]
-        return type(self)(
-            self.failures, run_dir=self.run_dir, world_size=self.world_size, stopped=self.stopped,
-            headline=self.headline, attempts=lines,
-        )
+        later.args = (later._render(),)
+        return later
 
     @property
     def root_cause(self) -> RankFailure | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet import diagnosis
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import RunDir, read_pid
 
 SAMPLE_EVERY_S = 0.5
 STACKS_WAIT_S = 3.0  # how long ranks get to write their stacks
@@ -75,7 +75,7 @@ class RunMonitor:
         self._next_sample = now + SAMPLE_EVERY_S
         for rank, state in self.ranks.items():
             if state.pid is None:
-                state.pid = _read_pid(self.run.pid_file(rank))
+                state.pid = read_pid(self.run.pid_file(rank))
                 if state.pid is None:
                     continue
             rss = _rss(state.pid)
@@ -99,14 +99,18 @@ class RunMonitor:
         """Why a rank that died of SIGKILL was most likely the kernel's OOM killer's victim,
         or None when no OOM kill happened during the run (in its cgroup or on the host)."""
         state = self.ranks[rank]
-        seen = []
+        seen, precise = [], False
         for counter, before in state.oom_counters.items():
             after = _oom_kills_in(counter)
+            precise = precise or counter.name == "memory.events"
             if after is not None and after > before:
                 seen.append(f"{counter.parent}: oom_kill {before} → {after}")
-        now = _vmstat_oom_kills()
-        if self.global_ooms is not None and now is not None and now > self.global_ooms:
-            seen.append(f"/proc/vmstat: oom_kill {self.global_ooms} → {now}")
+        if not seen and not precise:
+            # cgroup v1 counts only OOMs of the cgroup's own limit; the host's count is the
+            # fallback (it may count another process's kill: hence "most likely")
+            now = _vmstat_oom_kills()
+            if self.global_ooms is not None and now is not None and now > self.global_ooms:
+                seen.append(f"/proc/vmstat: oom_kill {self.global_ooms} → {now}")
         if not seen:
             return None
         used = ""
@@ -164,18 +168,21 @@ class RunMonitor:
 
 
 def _dump_since(path: Path, offset: int) -> str | None:
-    """The header plus the dump written after ``offset``, once it looks complete."""
+    """The header plus the dump written after ``offset``, once it is whole: the main
+    thread's section is there (faulthandler may list it last) and the file stopped growing."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    new = data[offset:].decode(errors="replace")
-    if "(most recent call first)" not in new:
-        return None
-    time.sleep(0.05)  # faulthandler writes thread by thread: let it finish
-    data = path.read_bytes()
     header = data.split(b"\n", 1)[0].decode(errors="replace")
-    return header + "\n" + data[offset:].decode(errors="replace")
+    new = data[offset:].decode(errors="replace")
+    main = diagnosis.main_thread_id(header)
+    if main is None or main not in diagnosis.thread_ids(new):
+        return None
+    time.sleep(0.05)  # faulthandler writes frame by frame: wait until nothing more comes
+    if path.stat().st_size != len(data):
+        return None
+    return header + "\n" + new
 
 
 def _request_nccl_dumps(run: RunDir, ranks) -> None:
@@ -195,13 +202,6 @@ def _request_nccl_dumps(run: RunDir, ranks) -> None:
             pass
         finally:
             os.close(fd)
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def _rss(pid: int) -> int | None:
@@ -224,8 +224,10 @@ def _vmstat_oom_kills() -> int | None:
 
 
 def _cgroup_oom_files(pid: int) -> list[Path]:
-    """The files counting OOM kills of the process's memory cgroup and its ancestors
-    (cgroup v2 ``memory.events``, v1 ``memory.oom_control``)."""
+    """The file counting OOM kills of the process's own memory cgroup (cgroup v2
+    ``memory.events``: kills of its processes by any OOM killer; v1 ``memory.oom_control``:
+    kills under its own limit). Ancestors are left out: they count their other children's
+    kills too."""
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             lines = f.read().splitlines()
@@ -240,13 +242,9 @@ def _cgroup_oom_files(pid: int) -> list[Path]:
             base, name = Path("/sys/fs/cgroup/memory"), "memory.oom_control"
         else:
             continue
-        folder = base / path.lstrip("/")
-        while True:
-            if (folder / name).exists():
-                files.append(folder / name)
-            if folder == base:
-                break
-            folder = folder.parent
+        counter = base / path.lstrip("/") / name
+        if counter.exists():
+            files.append(counter)
     return files
 
 

@@ -79,6 +79,14 @@ class RunDir:
         return self.path / "stop-requested"
 
 
+def read_pid(path: Path) -> int | None:
+    """The pid in a rank's pid file; None until the rank has written it."""
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def ensure_private_dir(root: Path) -> None:
     """Create ``root`` if needed; refuse one that another user owns or could write to."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -10,10 +10,12 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from gpufleet import _environ
+from gpufleet.rundir import RunDir
 
 if TYPE_CHECKING:
     import torch
@@ -87,11 +89,34 @@ def heartbeat() -> None:
     folder = _environ.run_dir()
     if folder is None:
         return
-    path = folder / "heartbeats" / f"rank-{get_global_rank()}"
+    path = RunDir(folder).heartbeat(get_global_rank())
     try:
-        os.utime(path)
-    except FileNotFoundError:  # the first beat: private, like everything in the run folder
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+        try:
+            os.utime(path)
+        except FileNotFoundError:  # the first beat: private, like everything in the run folder
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    except OSError:  # a beat that cannot be recorded must never fail the training step
+        pass
+
+
+@contextlib.contextmanager
+def _working():
+    """Heartbeats every second while a long, silent gpufleet operation runs (a checkpoint's
+    write, upload or load), so that it is never taken for a hang. Also a decorator."""
+    heartbeat()
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(HEARTBEAT_EVERY_S):
+            heartbeat()
+
+    beater = threading.Thread(target=beat, name="gpufleet-heartbeat", daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beater.join()
 
 
 def should_stop() -> bool:
@@ -103,7 +128,7 @@ def should_stop() -> bool:
     the same answer at the same step. False outside a gpufleet run.
     """
     folder = _environ.run_dir()
-    asked = folder is not None and (folder / "stop-requested").exists()
+    asked = folder is not None and RunDir(folder).stop_request.exists()
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return asked

@@ -25,15 +25,53 @@ from gpufleet.logs import LogFollower, tail_lines
 from gpufleet.monitor import RunMonitor
 from gpufleet.options import RunOptions
 from gpufleet.payload import load_private, write_private
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import RunDir, read_pid
 
 POLL_SECONDS = 0.05
 STOP_GRACE_SECONDS = 5.0
 
 
+class Preemption:
+    """SIGTERM to this process while a call runs (installed once around all its attempts).
+
+    The handler only takes note; the supervisor of the running attempt acts on it (asks the
+    ranks to stop, starts the grace period), and no new attempt starts after it.
+    """
+
+    def __init__(self):
+        self.requested_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self.repeated = False  # a second SIGTERM: end the grace period now
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # only the main thread may handle signals: never triggered here
+            return
+
+        def on_sigterm(signum, frame):
+            if self.requested_at is None:
+                self.requested_at = time.monotonic()
+            else:
+                self.repeated = True
+
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 class Supervisor:
-    def __init__(self, run: RunDir, agent: subprocess.Popen, world_size: int, options: RunOptions):
+    def __init__(
+        self,
+        run: RunDir,
+        agent: subprocess.Popen,
+        world_size: int,
+        options: RunOptions,
+        preemption: Preemption | None = None,
+    ):
         self.run = run
+        self.preemption = preemption or Preemption()
         self.agent = agent
         self.world_size = world_size
         self.options = options
@@ -50,16 +88,15 @@ class Supervisor:
             deadline = time.monotonic() + self.options.timeout
         error = None
         try:
-            with self._preemptible():
-                outcome = self._follow(deadline)
-                if outcome == "hang":
-                    error = self._hang_error()
-                    if self.agent.poll() is not None:  # it ended while we looked: not a hang
-                        outcome, error = "done", None
-                elif outcome == "timeout":
-                    error = self._timeout_error(self.monitor.collect_stacks())
-                if outcome != "done":
-                    self.stop()
+            outcome = self._follow(deadline)
+            if outcome == "hang":
+                error = self._hang_error()
+                if self.agent.poll() is not None:  # it ended while we looked: not a hang
+                    outcome, error = "done", None
+            elif outcome == "timeout":
+                error = self._timeout_error(self.monitor.collect_stacks())
+            if outcome != "done":
+                self.stop()
         except KeyboardInterrupt:
             self.stop()
             print(f"gpufleet: interrupted; stopped every rank of {self.run.name}", file=sys.stderr)
@@ -67,10 +104,12 @@ class Supervisor:
         finally:
             self.follower.close()
             self._sweep()
+        if self.preemption.requested_at is not None:  # it outranks a hang or a timeout
+            self._ask_to_stop()
+            preempted = self._preempted_error()
+            raise preempted from _original_exception(preempted) or error
         if error is not None:
             raise error
-        if self.stop_deadline is not None:
-            raise self._preempted_error()
         return collect(self.run, self.world_size, self.monitor, self.agent)
 
     def _follow(self, deadline: float | None) -> str:
@@ -81,6 +120,8 @@ class Supervisor:
             if self.follower.poll():
                 self.monitor.progress()
             self.monitor.sample()
+            if self.preemption.requested_at is not None:
+                self._ask_to_stop()
             now = time.monotonic()
             if self.stop_deadline is not None and now > self.stop_deadline:
                 return "grace"
@@ -93,19 +134,11 @@ class Supervisor:
             time.sleep(POLL_SECONDS)
         return "done"
 
-    @contextlib.contextmanager
-    def _preemptible(self):
-        """While the run goes on, a SIGTERM to this process asks every rank to stop
-        (``runtime.should_stop()``) and starts the grace period; a second one ends it."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # only the main thread may handle signals
-            return
-
-        def on_sigterm(signum, frame):
-            if self.stop_deadline is not None:
-                self.stop_deadline = time.monotonic()
-                return
-            self.stop_deadline = time.monotonic() + self.options.grace_period
+    def _ask_to_stop(self) -> None:
+        """After a SIGTERM: ``stop-requested`` in the run folder (``runtime.should_stop()``),
+        one line for the user, and the end of the grace period (now, after a second SIGTERM)."""
+        if self.stop_deadline is None:
+            self.stop_deadline = self.preemption.requested_at + self.options.grace_period
             write_private(self.run.stop_request, b"SIGTERM\n")
             print(
                 f"gpufleet: SIGTERM: asked every rank to stop (runtime.should_stop() is now True); "
@@ -113,12 +146,8 @@ class Supervisor:
                 file=sys.stderr,
                 flush=True,
             )
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if self.preemption.repeated:
+            self.stop_deadline = min(self.stop_deadline, time.monotonic())
 
     def stop(self) -> None:
         """SIGTERM the agent (elastic stops the ranks), then SIGKILL whatever is left."""
@@ -135,11 +164,12 @@ class Supervisor:
     def _sweep(self) -> None:
         """Kill every process group of the run that still exists; reap the agent."""
         for rank in range(self.world_size):
-            pid = _read_pid(self.run.pid_file(rank))
+            pid = read_pid(self.run.pid_file(rank))
             if pid is not None:
                 _process.kill_group(pid)
         _process.kill_group(self.agent.pid)
         self.agent.wait()
+        _make_private(self.run.nccl_traces.parent)  # PyTorch writes its dumps with the umask
 
     def _hang_error(self) -> RunHangError:
         """Every rank's stacks, read for who waits in a collective and who does not."""
@@ -161,39 +191,47 @@ class Supervisor:
         return RunHangError(failures, run_dir=self.run.path, world_size=self.world_size, headline=headline)
 
     def _preempted_error(self) -> RunPreemptedError:
-        """After a SIGTERM: the ranks' results if all returned in time, else who did not."""
+        """After a SIGTERM: every rank's value if all returned in time; otherwise the ranks
+        that failed while stopping (root cause first) and those stopped at the grace period's
+        end."""
+        report = _read_report(self.run)
         values, failures = {}, []
         for rank in range(self.world_size):
-            status, item = _read_result(self.run, rank)
+            status, failure = _read_result(self.run, rank)
             if status == "ok":
-                values[rank] = item
-            elif status == "error":
-                failures.append(item)
-            else:  # no result: stopped at the end of the grace period
-                failures.append(
-                    RankFailure(
-                        rank=rank,
-                        kind="preempted",
-                        summary=f"still running when grace_period={self.options.grace_period:g} s "
-                        "ended; stopped",
-                        log_tail=tail_lines(self.run.log(rank), count=5),
-                    )
+                values[rank] = failure
+                continue
+            death = report.get("failures", {}).get(str(rank))
+            if failure is None and death and death["exitcode"] not in (-signal.SIGTERM, -signal.SIGKILL):
+                failure = _death(self.run, rank, report, self.monitor)  # it died by itself
+            if failure is None:
+                failure = RankFailure(
+                    rank=rank,
+                    kind="preempted",
+                    summary=f"still running when grace_period={self.options.grace_period:g} s "
+                    "ended; stopped",
+                    collateral=True,
                 )
+            failure.log_tail = tail_lines(self.run.log(rank), end=failure.log_bytes, count=5)
+            failures.append(failure)
         if not failures:
-            headline = (
-                f"the caller got SIGTERM; all {self.world_size} ranks stopped within "
-                f"grace_period={self.options.grace_period:g} s (their return values: .results)"
+            return RunPreemptedError(
+                [], results=[values[r] for r in range(self.world_size)], run_dir=self.run.path,
+                world_size=self.world_size,
+                headline=f"the caller got SIGTERM; all {self.world_size} ranks stopped within "
+                f"grace_period={self.options.grace_period:g} s (their return values: .results)",
             )
-            results = [values[r] for r in range(self.world_size)]
-        else:
-            headline = (
-                "the caller got SIGTERM and not every rank returned in time; check "
-                "runtime.should_stop() more often or pass a larger grace_period="
+        late = sum(f.kind == "preempted" for f in failures)
+        failed = len(failures) - late
+        parts = [f"{failed} failed while stopping"] if failed else []
+        if late:
+            parts.append(
+                f"{late} did not return within grace_period={self.options.grace_period:g} s "
+                "(check runtime.should_stop() more often, or pass a larger grace_period=)"
             )
-            results = None
         return RunPreemptedError(
-            failures, results=results, run_dir=self.run.path, world_size=self.world_size,
-            headline=headline,
+            failures, results=None, run_dir=self.run.path, world_size=self.world_size,
+            headline=f"the caller got SIGTERM; of {self.world_size} ranks, " + " and ".join(parts),
         )
 
     def _timeout_error(self, states: dict) -> RunTimeoutError:
@@ -337,8 +375,9 @@ def _original_exception(error: RunFailedError) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def _read_pid(path) -> int | None:
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
+def _make_private(folder) -> None:
+    for path in folder.iterdir():
+        try:
+            path.chmod(0o600)
+        except OSError:
+            pass

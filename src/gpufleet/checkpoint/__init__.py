@@ -81,6 +81,7 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------------
 
+    @runtime._working()
     def save(self, step: int, target: Any, optimizer: Any = None, *, extra: dict | None = None) -> None:
         """Save the state after ``step`` steps (collective).
 
@@ -90,7 +91,6 @@ class Checkpointer:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a whole number ≥ 0")
-        runtime.heartbeat()  # a save is progress, however long the steps between are silent
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
         group = self._process_group()
@@ -142,6 +142,7 @@ class Checkpointer:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    @runtime._working()
     def _publish(self, step: int, record: dict, future: Any) -> None:
         """After DCP has written every rank's files and the metadata: upload (remote roots),
         then rank 0 writes the commit record. Every rank learns whether each stage worked, so
@@ -168,6 +169,7 @@ class Checkpointer:
 
     # -- restoring ----------------------------------------------------------------------------
 
+    @runtime._working()
     def restore(
         self, target: Any, optimizer: Any = None, *, extra: dict | None = None, step: int | None = None
     ) -> int:
@@ -176,7 +178,6 @@ class Checkpointer:
         Returns the step loaded, which is the number of steps already done: 0 when there is
         no checkpoint yet, so that ``range(ckpt.restore(...), total)`` resumes or starts.
         """
-        runtime.heartbeat()  # a save is progress, however long the steps between are silent
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
         group = self._process_group()
