@@ -54,13 +54,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_once(launcher: str, nprocs: int) -> None:
+def run_once(launcher: str, nprocs: int) -> dict | None:
+    """One call; for gpufleet, the phases of its run (gpufleet.timings)."""
     if launcher == "gpufleet":
         from gpufleet import distributed
+        from gpufleet.timings import Timings
 
-        values = distributed(gpus=nprocs, logs="none")(job).distributed()
+        fn = distributed(gpus=nprocs, logs="none")(job)
+        values = fn.distributed()
         assert values == [float(nprocs)] * nprocs, values
-    elif launcher == "torchrun":
+        return dict(Timings.read(fn.last_run).phases())
+    if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nprocs}", __file__, "--torchrun-job"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -72,26 +76,28 @@ def run_once(launcher: str, nprocs: int) -> None:
         from accelerate import notebook_launcher
 
         notebook_launcher(job, num_processes=nprocs)
+    return None
 
 
 def child(launcher: str, nprocs: int, reps: int) -> None:
     """Time ``reps`` calls in this (fresh) interpreter; print the times as JSON."""
     import torch  # noqa: F401  - imported before timing, as in a notebook
 
-    times = []
+    times, phases = [], []
     for _ in range(reps):
         start = time.perf_counter()
-        run_once(launcher, nprocs)
+        phases.append(run_once(launcher, nprocs))
         times.append(time.perf_counter() - start)
-    print(json.dumps(times))
+    print(json.dumps({"times": times, "phases": [p for p in phases if p]}))
 
 
-def measure(launcher: str, nprocs: int, reps: int) -> list[float] | str:
+def measure(launcher: str, nprocs: int, reps: int) -> tuple[list[float], list[dict]] | str:
     cmd = [sys.executable, __file__, "--child", launcher, f"--nprocs={nprocs}", f"--reps={reps}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return found["times"], found["phases"]
 
 
 def hardware() -> str:
@@ -107,12 +113,14 @@ def hardware() -> str:
 
 
 def report(nprocs: int, reps: int, launchers: list[str]) -> str:
-    rows, medians = [], {}
+    rows, medians, phases = [], {}, []
     for launcher in launchers:
-        times = measure(launcher, nprocs, reps)
-        if isinstance(times, str):
-            rows.append((launcher, "—", "—", "—", f"not run: {times}"))
+        measured = measure(launcher, nprocs, reps)
+        if isinstance(measured, str):
+            rows.append((launcher, "—", "—", "—", f"not run: {measured}"))
             continue
+        times, found = measured
+        phases += found
         medians[launcher] = statistics.median(times)
         rows.append((launcher, f"{medians[launcher]:.2f}", f"{min(times):.2f}",
                      f"{max(times):.2f}", ""))
@@ -130,6 +138,11 @@ def report(nprocs: int, reps: int, launchers: list[str]) -> str:
     for name, median, low, high, note in rows:
         ratio = f"{medians[name] / base:.2f}" if base and name in medians else "—"
         lines.append(f"| {name} | {median} | {low} | {high} | {ratio} | {note} |")
+    if phases:
+        lines += ["", "gpufleet's calls, phase by phase (median over the calls; `gpufleet.timings`):", "",
+                  "| phase | median s |", "|---|---|"]
+        for phase in phases[0]:
+            lines.append(f"| {phase} | {statistics.median(p.get(phase, 0.0) for p in phases):.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,8 @@ def test_decorator_options():
     from gpufleet.options import option_names
 
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
-                              "max_retries", "no_retry", "hang_timeout", "grace_period"]
+                              "max_retries", "no_retry", "hang_timeout", "grace_period",
+                              "show_timings"]
 
 
 def test_runtime_functions():

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process, diagnosis, payload, runtime
+from gpufleet import _environ, _process, diagnosis, payload, runtime, timings
 from gpufleet.errors import RankFailure
 from gpufleet.rundir import RunDir, check_private_dir
 
@@ -35,6 +35,7 @@ _PEER_LOSS_MESSAGES = (
 
 
 def main(argv: list[str]) -> None:
+    timings.mark("ranks_started", timings.process_started())
     run = RunDir(Path(argv[1]))
     rank = _environ.rank()
     _process.die_with_parent(signal.SIGKILL, _environ.parent_pid())
@@ -51,6 +52,7 @@ def main(argv: list[str]) -> None:
     except Exception as exc:  # the return value does not pickle: report that instead
         outcome = ("error", _result_failure(rank, outcome[1], exc))
         data = payload.dump_result(outcome)
+    timings.write_rank(run.timings(rank))
     payload.write_private(run.result(rank), data)
     _exit(0 if outcome[0] == "ok" else 1)
 
@@ -79,8 +81,12 @@ def _run(run: RunDir, rank: int) -> tuple:
     try:
         check_private_dir(run.path)  # refuse a run folder that someone else could have planted
         fn, args, kwargs = payload.load_call(run.payload)
+        timings.mark("payload_loaded")
         runtime.heartbeat()  # loading may import for a long time; that was progress too
-        value = fn(*args, **kwargs)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            timings.mark("function_ended")
         runtime._finish_saves()
         return ("ok", value)
     except SystemExit as exc:

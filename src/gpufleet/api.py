@@ -6,6 +6,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from gpufleet import hardware, launchers, runtime
@@ -32,6 +33,7 @@ class DistributedFunction(Generic[R]):
             )
         self._fn = fn
         self._options = options
+        self.last_run: Path | None = None  # the run folder of the last attempt started
         functools.update_wrapper(self, fn)
 
     @property
@@ -89,11 +91,13 @@ class DistributedFunction(Generic[R]):
     ) -> list[R]:
         """One attempt: a run folder of its own, an agent, its ranks."""
         opts = self._options
+        started_at = time.time()
         run = RunDir.create(opts.runs_dir, self.__name__)
+        self.last_run = run.path
         write_private(run.payload, payload)
         launcher = launchers.get("local")
         agent = launcher.launch(launcher.plan(run, placement, opts, attempt), run)
-        return Supervisor(run, agent, placement.nprocs, opts, preemption).wait(deadline)
+        return Supervisor(run, agent, placement.nprocs, opts, preemption, started_at).wait(deadline)
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"
@@ -118,6 +122,8 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
                 None turns it off)
       grace_period  seconds ranks get to stop (runtime.should_stop()) after this process gets
                 SIGTERM, before they are stopped (default 30)
+      show_timings  print where each call's time went (start-up phases, the function, results);
+                every run folder keeps them in timings.json either way
 
     Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
     """

@@ -36,6 +36,7 @@ class RunOptions:
     no_retry: tuple = ()  # exception types (or their names) whose failure is never retried
     hang_timeout: float | None = DEFAULT_HANG_TIMEOUT
     grace_period: float = DEFAULT_GRACE_PERIOD
+    show_timings: bool = False
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -88,6 +89,7 @@ def _checked(options: dict) -> dict:
         "no_retry": _check_no_retry,
         "hang_timeout": _check_hang_timeout,
         "grace_period": _check_grace_period,
+        "show_timings": _check_show_timings,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -139,6 +141,12 @@ def _check_grace_period(grace_period):
         "grace_period", grace_period, none="e.g. grace_period=30: how long ranks get to stop after a SIGTERM",
         allow_none=False,
     )
+
+
+def _check_show_timings(show_timings):
+    if not isinstance(show_timings, bool):
+        raise ConfigError(f"show_timings={show_timings!r} must be True or False")
+    return show_timings
 
 
 def _seconds(name: str, value, *, none: str, allow_none: bool = True) -> float | None:

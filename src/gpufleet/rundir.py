@@ -26,7 +26,7 @@ class RunDir:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         path = root / f"{_safe(name)}-{stamp}-{secrets.token_hex(3)}"
         path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
-        for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl"):
+        for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl", "timings"):
             (path / sub).mkdir(mode=0o700)
         return cls(path)
 
@@ -58,6 +58,10 @@ class RunDir:
 
     def pid_file(self, rank: int) -> Path:
         return self.path / "pids" / f"rank-{rank}.pid"
+
+    def timings(self, rank: int) -> Path:
+        """When rank N passed each instant of its start-up and run (``timings.py``)."""
+        return self.path / "timings" / f"rank-{rank}.json"
 
     def stacks(self, rank: int) -> Path:
         """Where the rank's Python stacks go when gpufleet asks for them (a hang)."""

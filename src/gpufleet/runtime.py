@@ -14,7 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from gpufleet import _environ
+from gpufleet import _environ, timings
 from gpufleet.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -163,9 +163,11 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch
     import torch
     import torch.distributed as dist
 
+    timings.mark("setup_started")
     device = _device(torch)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        timings.mark("cuda_ready")
     if not dist.is_available() or dist.is_initialized():
         return device
     options = {
@@ -178,6 +180,7 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch
         # in the function work unchanged and no port is opened.
         options.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(**options)
+    timings.mark("process_group_ready")
     return device
 
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from gpufleet import _process, diagnosis
+from gpufleet import _process, diagnosis, timings
 from gpufleet.errors import (
     GpufleetError,
     RankFailure,
@@ -69,8 +69,10 @@ class Supervisor:
         world_size: int,
         options: RunOptions,
         preemption: Preemption | None = None,
+        started_at: float | None = None,
     ):
         self.run = run
+        self.stamps = {"call": started_at or time.time()}  # the caller's instants (timings.py)
         self.preemption = preemption or Preemption()
         self.agent = agent
         self.world_size = world_size
@@ -83,7 +85,23 @@ class Supervisor:
         """Block until every rank is done; return their values in rank order or raise.
 
         ``deadline`` (``time.monotonic()``) ends the wait; default: ``timeout`` from now.
+        The run's timings are saved (and printed with ``show_timings``) either way.
         """
+        try:
+            return self._wait(deadline)
+        finally:
+            self.stamps["results_collected"] = time.time()
+            self._save_timings()
+
+    def _save_timings(self) -> None:
+        try:
+            found = timings.gather(self.run.path, self.stamps, self.world_size)
+        except OSError:  # the run folder is gone: nothing to keep, nothing to print
+            return
+        if self.options.show_timings:
+            print(f"gpufleet: timings of {self.run.name}\n{found.table()}", file=sys.stderr, flush=True)
+
+    def _wait(self, deadline: float | None) -> list:
         if deadline is None and self.options.timeout is not None:
             deadline = time.monotonic() + self.options.timeout
         error = None
@@ -104,6 +122,7 @@ class Supervisor:
         finally:
             self.follower.close()
             self._sweep()
+            self.stamps["agent_exited"] = time.time()
         if self.preemption.requested_at is not None:  # it outranks a hang or a timeout
             self._ask_to_stop()
             preempted = self._preempted_error()

@@ -1,0 +1,124 @@
+"""When each phase of a run happened, from the call to the end of teardown.
+
+Every process of a run stamps the instants it passes (wall-clock ``time.time()``): the caller
+when it starts the agent, collects the results and has torn down; each rank when its process
+started (from ``/proc``), when its payload was loaded, around ``runtime.setup()`` and its
+function. The caller writes ``timings.json`` in the run folder; ``Timings`` turns the stamps
+into the run's critical path: each phase ends when the *slowest* rank reached its end, so the
+phases add up to the call's wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpufleet.payload import write_private
+from gpufleet.rundir import RunDir
+
+# The instants, in the order a run passes them, and the phase that ends at each.
+PHASES = (
+    ("call", ""),
+    ("ranks_started", "start the agent and the rank processes"),
+    ("payload_loaded", "interpreter, imports and payload"),
+    ("setup_started", "user code before runtime.setup()"),
+    ("cuda_ready", "CUDA initialisation"),
+    ("process_group_ready", "rendezvous and process group"),
+    ("function_ended", "user function"),
+    ("agent_exited", "rank exits and the agent's teardown"),
+    ("results_collected", "read the results"),
+)
+_RANK_INSTANTS = {"ranks_started", "payload_loaded", "setup_started", "cuda_ready",
+                  "process_group_ready", "function_ended"}
+
+_stamps: dict[str, float] = {}  # this process's instants
+
+
+def mark(name: str, at: float | None = None) -> None:
+    """Note that this process has reached ``name``, now or ``at`` (the first time counts)."""
+    _stamps.setdefault(name, time.time() if at is None else at)
+
+
+def stamps() -> dict[str, float]:
+    return dict(_stamps)
+
+
+def process_started() -> float | None:
+    """When this process was created, from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+@dataclass
+class Timings:
+    """The stamps of one run: the caller's and each rank's."""
+
+    caller: dict[str, float] = field(default_factory=dict)
+    ranks: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, run_dir: str | os.PathLike) -> "Timings":
+        """The timings of the run whose folder is ``run_dir`` (``timings.json``)."""
+        data = json.loads((Path(run_dir) / "timings.json").read_text())
+        return cls(caller=data["caller"], ranks={int(r): s for r, s in data["ranks"].items()})
+
+    def instants(self) -> dict[str, float]:
+        """Each instant of PHASES that the run passed: the caller's, or the slowest rank's."""
+        found = dict(self.caller)
+        for name in _RANK_INSTANTS:
+            values = [s[name] for s in self.ranks.values() if name in s]
+            if values and len(values) == len(self.ranks):
+                found[name] = max(values)
+        return found
+
+    def phases(self) -> list[tuple[str, float]]:
+        """(phase, seconds) along the critical path, skipping instants the run never passed
+        (no runtime.setup(), no CUDA); the seconds add up to the call's wall time."""
+        at = self.instants()
+        passed = [(name, label) for name, label in PHASES if name in at]
+        out = []
+        for (before, _), (name, label) in zip(passed, passed[1:]):
+            out.append((label, max(0.0, at[name] - at[before])))
+        return out
+
+    def total(self) -> float:
+        at = self.instants()
+        return at["results_collected"] - at["call"] if {"call", "results_collected"} <= set(at) else 0.0
+
+    def table(self) -> str:
+        rows = self.phases()
+        width = max([len(label) for label, _ in rows] + [5])
+        lines = [f"{label:<{width}}  {seconds:7.3f} s" for label, seconds in rows]
+        lines.append(f"{'total':<{width}}  {self.total():7.3f} s")
+        return "\n".join(lines)
+
+    def as_json(self) -> dict:
+        return {"caller": self.caller, "ranks": {str(r): s for r, s in self.ranks.items()},
+                "phases": dict(self.phases()), "total": self.total()}
+
+
+def write_rank(path: Path) -> None:
+    """This rank's stamps, for the caller to gather (private, like the whole run folder)."""
+    write_private(path, json.dumps(stamps()).encode())
+
+
+def gather(run_dir: Path, caller: dict[str, float], world_size: int) -> Timings:
+    """The caller's stamps and every rank's that was written, saved as ``timings.json``."""
+    ranks = {}
+    for rank in range(world_size):
+        try:
+            ranks[rank] = json.loads(RunDir(run_dir).timings(rank).read_text())
+        except (OSError, ValueError):
+            pass
+    found = Timings(caller=caller, ranks=ranks)
+    write_private(run_dir / "timings.json", json.dumps(found.as_json(), indent=1).encode())
+    return found
