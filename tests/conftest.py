@@ -20,6 +20,17 @@ from support import (LEFTOVER_GRACE_S, DescendantSampler, Script, ScriptResult, 
                      kill_all, wait_gone)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def mlflow_store(tmp_path_factory):
+    """With MLflow installed every call is tracked: into one store for the whole session,
+    never a mlflow.db in the working directory."""
+    import os
+
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    os.environ.setdefault("MLFLOW_TRACKING_URI", uri)
+    yield os.environ["MLFLOW_TRACKING_URI"]
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Fail the test if it leaves any process it started (directly or not) running."""

@@ -10,7 +10,7 @@ def test_top_level_names():
     assert sorted(gpufleet.__all__) == [
         "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "RankFailure",
         "RunFailedError", "RunHangError", "RunPreemptedError", "RunTimeoutError", "distributed",
-        "runtime",
+        "log_metrics", "runtime",
     ]
 
 
@@ -19,7 +19,7 @@ def test_decorator_options():
 
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
-                              "show_timings"]
+                              "show_timings", "tracking"]
 
 
 def test_runtime_functions():

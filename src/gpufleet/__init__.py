@@ -13,6 +13,7 @@ rank's result or a precise error.
 """
 
 from gpufleet import runtime
+from gpufleet.tracking import log_metrics
 from gpufleet.api import DistributedFunction, distributed
 from gpufleet.errors import (
     ConfigError,
@@ -38,5 +39,6 @@ __all__ = [
     "RunPreemptedError",
     "RunTimeoutError",
     "distributed",
+    "log_metrics",
     "runtime",
 ]

@@ -15,6 +15,7 @@ DEVICE = "GPUFLEET_DEVICE"  # "cuda" or "cpu": what the launcher decided for thi
 PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must die with
 UMASK = "GPUFLEET_UMASK"  # the caller's umask, for user code in the ranks
 ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first retry, ...
+TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run folder's tracking.json
 
 
 def int_var(name: str, default: int) -> int:
@@ -55,6 +56,10 @@ def run_dir() -> Path | None:
     """The run folder of a rank started by gpufleet (None elsewhere)."""
     value = os.environ.get(RUN_DIR)
     return Path(value) if value else None
+
+
+def tracked() -> bool:
+    return os.environ.get(TRACKED) == "1"
 
 
 def device_kind() -> str | None:

@@ -17,7 +17,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process, diagnosis, payload, runtime, timings
+from gpufleet import _environ, _process, diagnosis, payload, runtime, timings, tracking
 from gpufleet.errors import RankFailure
 from gpufleet.rundir import RunDir, check_private_dir
 
@@ -83,6 +83,9 @@ def _run(run: RunDir, rank: int) -> tuple:
         fn, args, kwargs = payload.load_call(run.payload)
         timings.mark("payload_loaded")
         runtime.heartbeat()  # loading may import for a long time; that was progress too
+        if _environ.tracked():
+            tracking.join_in_rank(run.tracking)
+            timings.mark("tracking_joined")
         try:
             value = fn(*args, **kwargs)
         finally:

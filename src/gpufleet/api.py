@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from gpufleet import hardware, launchers, runtime
+from gpufleet import _environ, hardware, launchers, runtime
 from gpufleet.errors import ConfigError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
 from gpufleet.supervisor import Preemption, Supervisor
+from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
+from gpufleet.tracking import status_of as tracking_status
 
 R = TypeVar("R")
 
@@ -57,6 +60,7 @@ class DistributedFunction(Generic[R]):
         stopping every rank on Ctrl-C. With ``max_retries``, a failed or hung run starts again
         (all ranks, a new port) before that.
         """
+        called_at = time.time()
         opts = self._options
         placement = hardware.place(opts.gpus, opts.gpu_type)
         check_world(opts, placement.nprocs)
@@ -64,15 +68,34 @@ class DistributedFunction(Generic[R]):
         if placement.device == "cpu":
             print(f"gpufleet: {placement.describe()}", file=sys.stderr, flush=True)
         deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
-        with Preemption().installed() as preemption:
-            return self._attempts(payload, placement, deadline, preemption)
+        tracking = PendingTracking(opts.tracking, self.__name__, {
+            "function": f"{self.__module__}.{self.__qualname__}",
+            "gpus": placement.nprocs,
+            "world_size": placement.nprocs,
+            "device": placement.device,
+        })
+        outcome: BaseException | None = None
+        try:
+            with Preemption().installed() as preemption:
+                return self._attempts(payload, placement, deadline, preemption, tracking, called_at)
+        except BaseException as exc:
+            outcome = exc
+            raise
+        finally:
+            if (found := tracking.get(wait=0)) is not None:
+                found.finish(tracking_status(outcome))
 
-    def _attempts(self, payload: bytes, placement, deadline: float | None, preemption: Preemption) -> list[R]:
+    def _attempts(
+        self, payload: bytes, placement, deadline: float | None, preemption: Preemption, tracking,
+        called_at: float,
+    ) -> list[R]:
         opts = self._options
         earlier: list[RunFailedError] = []
         while True:
             try:
-                return self._run(payload, placement, len(earlier), deadline, preemption)
+                # a retry's timings start with the retry
+                since = called_at if not earlier else time.time()
+                return self._run(payload, placement, len(earlier), deadline, preemption, tracking, since)
             except RunFailedError as error:
                 if preemption.requested_at is not None or len(earlier) == opts.max_retries or not _retryable(error, opts.no_retry):
                     if not earlier:
@@ -87,7 +110,8 @@ class DistributedFunction(Generic[R]):
                 )
 
     def _run(
-        self, payload: bytes, placement, attempt: int, deadline: float | None, preemption: Preemption
+        self, payload: bytes, placement, attempt: int, deadline: float | None, preemption: Preemption,
+        tracking: PendingTracking, called_at: float,
     ) -> list[R]:
         """One attempt: a run folder of its own, an agent, its ranks."""
         opts = self._options
@@ -96,8 +120,16 @@ class DistributedFunction(Generic[R]):
         self.last_run = run.path
         write_private(run.payload, payload)
         launcher = launchers.get("local")
-        agent = launcher.launch(launcher.plan(run, placement, opts, attempt), run)
-        return Supervisor(run, agent, placement.nprocs, opts, preemption, started_at).wait(deadline)
+        env = {_environ.TRACKED: "1"} if tracking.enabled else {}
+        agent = launcher.launch(launcher.plan(run, placement, opts, attempt, env), run)
+        if tracking.enabled:  # the ranks wait for it: created while they start
+            tracking.begin()
+            found = tracking.get(CALLER_WAIT_S)
+            write_private(run.tracking, json.dumps(found.env() if found else {}).encode())
+            if found is not None:
+                found.attempt(attempt)
+        stamps = {"call": called_at, "attempt_started": started_at}
+        return Supervisor(run, agent, placement.nprocs, opts, preemption, stamps).wait(deadline)
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"
@@ -124,6 +156,8 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
                 SIGTERM, before they are stopped (default 30)
       show_timings  print where each call's time went (start-up phases, the function, results);
                 every run folder keeps them in timings.json either way
+      tracking  MLflow: one run per call, shared with every rank (None: when MLflow is
+                installed; True: require it; False: never)
 
     Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
     """

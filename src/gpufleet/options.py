@@ -37,6 +37,7 @@ class RunOptions:
     hang_timeout: float | None = DEFAULT_HANG_TIMEOUT
     grace_period: float = DEFAULT_GRACE_PERIOD
     show_timings: bool = False
+    tracking: bool | None = None  # MLflow: None = when installed
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -90,6 +91,7 @@ def _checked(options: dict) -> dict:
         "hang_timeout": _check_hang_timeout,
         "grace_period": _check_grace_period,
         "show_timings": _check_show_timings,
+        "tracking": _check_tracking,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -141,6 +143,14 @@ def _check_grace_period(grace_period):
         "grace_period", grace_period, none="e.g. grace_period=30: how long ranks get to stop after a SIGTERM",
         allow_none=False,
     )
+
+
+def _check_tracking(tracking):
+    if tracking not in (None, True, False):
+        raise ConfigError(
+            f"tracking={tracking!r} must be None (MLflow when installed), True or False"
+        )
+    return tracking
 
 
 def _check_show_timings(show_timings):

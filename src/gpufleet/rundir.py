@@ -78,6 +78,11 @@ class RunDir:
         return self.path / "nccl" / "rank-"
 
     @property
+    def tracking(self) -> Path:
+        """The call's MLflow run as environment variables, for the ranks (``tracking.py``)."""
+        return self.path / "tracking.json"
+
+    @property
     def stop_request(self) -> Path:
         """Exists once the caller was asked to stop (SIGTERM): ``runtime.should_stop()``."""
         return self.path / "stop-requested"

@@ -69,10 +69,10 @@ class Supervisor:
         world_size: int,
         options: RunOptions,
         preemption: Preemption | None = None,
-        started_at: float | None = None,
+        stamps: dict[str, float] | None = None,
     ):
         self.run = run
-        self.stamps = {"call": started_at or time.time()}  # the caller's instants (timings.py)
+        self.stamps = dict(stamps or {"call": time.time()})  # the caller's instants (timings.py)
         self.preemption = preemption or Preemption()
         self.agent = agent
         self.world_size = world_size

@@ -22,8 +22,10 @@ from gpufleet.rundir import RunDir
 # The instants, in the order a run passes them, and the phase that ends at each.
 PHASES = (
     ("call", ""),
+    ("attempt_started", "checks, payload and tracking in the caller"),
     ("ranks_started", "start the agent and the rank processes"),
     ("payload_loaded", "interpreter, imports and payload"),
+    ("tracking_joined", "waiting for the call's MLflow run"),
     ("setup_started", "user code before runtime.setup()"),
     ("cuda_ready", "CUDA initialisation"),
     ("process_group_ready", "rendezvous and process group"),
@@ -31,7 +33,7 @@ PHASES = (
     ("agent_exited", "rank exits and the agent's teardown"),
     ("results_collected", "read the results"),
 )
-_RANK_INSTANTS = {"ranks_started", "payload_loaded", "setup_started", "cuda_ready",
+_RANK_INSTANTS = {"ranks_started", "payload_loaded", "tracking_joined", "setup_started", "cuda_ready",
                   "process_group_ready", "function_ended"}
 
 _stamps: dict[str, float] = {}  # this process's instants

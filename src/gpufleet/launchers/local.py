@@ -30,8 +30,12 @@ class LaunchPlan:
     nprocs: int
 
 
-def plan(run: RunDir, placement: Placement, options: RunOptions, attempt: int = 0) -> LaunchPlan:
+def plan(
+    run: RunDir, placement: Placement, options: RunOptions, attempt: int = 0,
+    extra_env: dict[str, str] | None = None,
+) -> LaunchPlan:
     env = _environ.snapshot()
+    env.update(extra_env or {})
     env.update(options.env)
     env.update(
         {

@@ -1,0 +1,106 @@
+"""MLflow tracking: one run per call, shared with every rank, with a truthful final status."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpufleet import ConfigError, RunFailedError, RunTimeoutError, distributed, runtime
+
+mlflow = pytest.importorskip("mlflow")
+pytestmark = pytest.mark.timeout(120)
+
+
+def _runs_of(function_name: str) -> list:
+    client = mlflow.MlflowClient()
+    experiment = client.get_experiment_by_name("gpufleet")
+    if experiment is None:
+        return []
+    return [r for r in client.search_runs([experiment.experiment_id])
+            if r.data.tags.get("gpufleet.function") == function_name]
+
+
+def test_a_call_is_one_mlflow_run_with_params_rank0_metrics_and_status(runs_dir, capfd):
+    @distributed(gpus=2, runs_dir=runs_dir)
+    def tracked_training():
+        import mlflow
+
+        from gpufleet import log_metrics
+
+        runtime.setup()
+        rank = runtime.get_global_rank()
+        for step in range(3):
+            log_metrics({"loss": 1.0 + rank - 0.1 * step}, step=step)  # rank 0's values
+            log_metrics({"rank_mean": float(rank), "rank_max": float(rank)}, step=step, reduce="mean")
+        log_metrics({"rank_max_of_all": float(rank)}, reduce="max")
+        if rank == 0:  # plain mlflow calls land in the same run
+            with mlflow.start_run():
+                mlflow.log_param("lr", 0.1)
+        return rank
+
+    assert tracked_training.distributed() == [0, 1]
+    runs = _runs_of("tracked_training")
+    client = mlflow.MlflowClient()
+
+    assert len(runs) == 1, "one MLflow run per call"
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["gpus"] == "2" and run.data.params["world_size"] == "2"
+    assert run.data.params["function"].endswith("tracked_training")
+    assert run.data.params["lr"] == "0.1", "mlflow.start_run() in a rank joins the call's run"
+    losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "loss"),
+                                      key=lambda m: m.step)]
+    assert losses == pytest.approx([1.0, 0.9, 0.8]), "rank 0's values only"
+    assert run.data.metrics["rank_mean"] == pytest.approx(0.5)
+    assert run.data.metrics["rank_max_of_all"] == pytest.approx(1.0)
+    assert run.info.run_id in capfd.readouterr().err, "the run is named when the call starts"
+
+
+def test_failed_and_timed_out_calls_get_their_status(runs_dir):
+    @distributed(gpus=2, runs_dir=runs_dir)
+    def tracked_failure():
+        raise ValueError("no")
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=8)
+    def tracked_sleeper():
+        import time
+
+        time.sleep(60)
+
+    with pytest.raises(RunFailedError):
+        tracked_failure.distributed()
+    with pytest.raises(RunTimeoutError):
+        tracked_sleeper.distributed()
+
+    assert [r.info.status for r in _runs_of("tracked_failure")] == ["FAILED"]
+    assert [r.info.status for r in _runs_of("tracked_sleeper")] == ["KILLED"]
+
+
+def test_retries_stay_in_one_run_and_tracking_false_creates_none(runs_dir):
+    @distributed(gpus=2, runs_dir=runs_dir, max_retries=1)
+    def tracked_retry():
+        if runtime.get_attempt() == 0 and runtime.get_global_rank() == 1:
+            raise RuntimeError("first attempt fails")
+        return runtime.get_attempt()
+
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False)
+    def untracked():
+        import os
+
+        return os.environ.get("MLFLOW_RUN_ID")
+
+    assert tracked_retry.distributed() == [1, 1]
+    assert untracked.distributed() == [None, None]
+
+    runs = _runs_of("tracked_retry")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["gpufleet.attempts"] == "2"
+    assert _runs_of("untracked") == []
+
+
+def test_bad_tracking_values_and_reduce_are_errors(runs_dir):
+    from gpufleet import log_metrics
+
+    with pytest.raises(ConfigError, match="tracking"):
+        distributed(gpus=2, runs_dir=runs_dir, tracking="yes")
+    with pytest.raises(ConfigError, match="reduce"):
+        log_metrics({"x": 1.0}, reduce="sum")
