@@ -26,8 +26,9 @@ def mlflow_store(tmp_path_factory):
     never a mlflow.db in the working directory."""
     import os
 
-    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
-    os.environ.setdefault("MLFLOW_TRACKING_URI", uri)
+    for name in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
+        os.environ.pop(name, None)
+    os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
     yield os.environ["MLFLOW_TRACKING_URI"]
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # The phases are measured on the critical path: they must add up to the call's own wall time,
 # give or take what happens before the run folder exists and after the results are read.
-SUM_SLACK_S = 1.0
+SUM_SLACK_S = 2.0  # also: ending the call's MLflow run, when MLflow is installed
 
 
 def test_every_phase_of_a_call_is_timed_and_printed_on_request(runs_dir, capfd):
@@ -36,13 +36,12 @@ def test_every_phase_of_a_call_is_timed_and_printed_on_request(runs_dir, capfd):
     timings = Timings.read(all_reduce_once.last_run)
     phases = dict(timings.phases())
 
-    for phase in ("checks, payload and tracking in the caller",
+    for phase in ("checks and payload in the caller",
                   "start the agent and the rank processes", "interpreter, imports and payload",
                   "user code before runtime.setup()", "rendezvous and process group",
                   "user function", "rank exits and the agent's teardown", "read the results"):
         assert phase in phases, f"{phase!r} missing from {sorted(phases)}"
         assert phase in printed, printed
-        assert phases[phase] >= 0
     assert "total" in printed
     assert set(timings.ranks) == {0, 1}, "every rank's own instants are kept"
     assert abs(sum(phases.values()) - timings.total()) < 1e-6

@@ -104,3 +104,25 @@ def test_bad_tracking_values_and_reduce_are_errors(runs_dir):
         distributed(gpus=2, runs_dir=runs_dir, tracking="yes")
     with pytest.raises(ConfigError, match="reduce"):
         log_metrics({"x": 1.0}, reduce="sum")
+
+
+def test_a_caller_inside_an_mlflow_run_has_the_ranks_log_into_it(runs_dir, monkeypatch):
+    @distributed(gpus=2, runs_dir=runs_dir)
+    def joins_callers_run():
+        from gpufleet import log_metrics
+
+        runtime.setup()
+        log_metrics({"from_ranks": 3.0}, reduce="max")
+        return 0
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "0")  # set_experiment sets it: undone after the test
+    experiment = mlflow.set_experiment("gpufleet-caller")
+    with mlflow.start_run() as outer:
+        joins_callers_run.distributed()
+        status_during = mlflow.MlflowClient().get_run(outer.info.run_id).info.status
+    run = mlflow.MlflowClient().get_run(outer.info.run_id)
+
+    assert run.data.metrics["from_ranks"] == 3.0
+    assert status_during == "RUNNING", "the caller's own run is left to the caller"
+    assert _runs_of("joins_callers_run") == [], "no run of its own"
+    assert run.info.experiment_id == experiment.experiment_id

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
 from gpufleet.supervisor import Preemption, Supervisor
-from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
+from gpufleet.tracking import PendingTracking
 from gpufleet.tracking import status_of as tracking_status
 
 R = TypeVar("R")
@@ -82,8 +81,8 @@ class DistributedFunction(Generic[R]):
             outcome = exc
             raise
         finally:
-            if (found := tracking.get(wait=0)) is not None:
-                found.finish(tracking_status(outcome))
+            if tracking.enabled:
+                tracking.close(tracking_status(outcome))
 
     def _attempts(
         self, payload: bytes, placement, deadline: float | None, preemption: Preemption, tracking,
@@ -122,14 +121,13 @@ class DistributedFunction(Generic[R]):
         launcher = launchers.get("local")
         env = {_environ.TRACKED: "1"} if tracking.enabled else {}
         agent = launcher.launch(launcher.plan(run, placement, opts, attempt, env), run)
-        if tracking.enabled:  # the ranks wait for it: created while they start
-            tracking.begin()
-            found = tracking.get(CALLER_WAIT_S)
-            write_private(run.tracking, json.dumps(found.env() if found else {}).encode())
-            if found is not None:
-                found.attempt(attempt)
+        tracking.begin()  # created while the ranks start; the supervisor hands it over
         stamps = {"call": called_at, "attempt_started": started_at}
-        return Supervisor(run, agent, placement.nprocs, opts, preemption, stamps).wait(deadline)
+        supervisor = Supervisor(
+            run, agent, placement.nprocs, opts, preemption, stamps,
+            tracking if tracking.enabled else None, attempt,
+        )
+        return supervisor.wait(deadline)
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"

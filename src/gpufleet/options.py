@@ -146,7 +146,7 @@ def _check_grace_period(grace_period):
 
 
 def _check_tracking(tracking):
-    if tracking not in (None, True, False):
+    if tracking is not None and not isinstance(tracking, bool):
         raise ConfigError(
             f"tracking={tracking!r} must be None (MLflow when installed), True or False"
         )

@@ -26,6 +26,7 @@ from gpufleet.monitor import RunMonitor
 from gpufleet.options import RunOptions
 from gpufleet.payload import load_private, write_private
 from gpufleet.rundir import RunDir, read_pid
+from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
 
 POLL_SECONDS = 0.05
 STOP_GRACE_SECONDS = 5.0
@@ -68,12 +69,17 @@ class Supervisor:
         agent: subprocess.Popen,
         world_size: int,
         options: RunOptions,
-        preemption: Preemption | None = None,
-        stamps: dict[str, float] | None = None,
+        preemption: Preemption,
+        stamps: dict[str, float],
+        tracking: PendingTracking | None,
+        attempt: int,
     ):
         self.run = run
-        self.stamps = dict(stamps or {"call": time.time()})  # the caller's instants (timings.py)
-        self.preemption = preemption or Preemption()
+        self.stamps = dict(stamps)  # the caller's instants (timings.py)
+        self.tracking = tracking  # handed to the ranks once ready (tracking.json)
+        self.tracking_due = time.monotonic() + CALLER_WAIT_S
+        self.attempt = attempt
+        self.preemption = preemption
         self.agent = agent
         self.world_size = world_size
         self.options = options
@@ -139,6 +145,7 @@ class Supervisor:
             if self.follower.poll():
                 self.monitor.progress()
             self.monitor.sample()
+            self._hand_over_tracking()
             if self.preemption.requested_at is not None:
                 self._ask_to_stop()
             now = time.monotonic()
@@ -152,6 +159,19 @@ class Supervisor:
                     return "hang"
             time.sleep(POLL_SECONDS)
         return "done"
+
+    def _hand_over_tracking(self) -> None:
+        """Once the call's MLflow run exists (or after CALLER_WAIT_S without it), write it for
+        the ranks, which wait for it just before the function runs."""
+        pending = self.tracking
+        if pending is None or not (pending.ready() or time.monotonic() > self.tracking_due):
+            return
+        self.tracking = None
+        try:
+            write_private(self.run.tracking, json.dumps(pending.env()).encode())
+        except OSError as exc:  # the ranks go on untracked after their own wait
+            print(f"gpufleet: MLflow run not handed to the ranks: {exc}", file=sys.stderr, flush=True)
+        pending.attempt(self.attempt)
 
     def _ask_to_stop(self) -> None:
         """After a SIGTERM: ``stop-requested`` in the run folder (``runtime.should_stop()``),

@@ -22,7 +22,7 @@ from gpufleet.rundir import RunDir
 # The instants, in the order a run passes them, and the phase that ends at each.
 PHASES = (
     ("call", ""),
-    ("attempt_started", "checks, payload and tracking in the caller"),
+    ("attempt_started", "checks and payload in the caller"),
     ("ranks_started", "start the agent and the rank processes"),
     ("payload_loaded", "interpreter, imports and payload"),
     ("tracking_joined", "waiting for the call's MLflow run"),
@@ -49,14 +49,15 @@ def stamps() -> dict[str, float]:
 
 
 def process_started() -> float | None:
-    """When this process was created, from /proc (Linux); None elsewhere."""
+    """When this process was created, from /proc (Linux): its age (uptime minus its start in
+    clock ticks since boot) subtracted from now; None elsewhere."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

@@ -19,20 +19,22 @@ import os
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any
 
-from gpufleet import runtime
+from gpufleet import _environ, runtime
 from gpufleet.errors import ConfigError
 
 DEFAULT_EXPERIMENT = "gpufleet"
-CALLER_WAIT_S = 30.0  # how long a call waits for its MLflow run before going on without
+CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
 RANK_WAIT_S = 2 * CALLER_WAIT_S
+FINISH_WAIT_S = 10.0  # how long ending the run may hold up the call's return
 SYSTEM_METRICS_EVERY_S = 10
 _REDUCTIONS = (None, "mean", "max")
 
 
 class Tracking:
-    """The MLflow run of one call (None-safe: ``Tracking.start`` returns None when off)."""
+    """The MLflow run of one call."""
 
     def __init__(self, client: Any, run_id: str, experiment_id: str, uri: str, owned: bool):
         self.client = client
@@ -43,18 +45,17 @@ class Tracking:
         self.monitor = None
 
     @classmethod
-    def start(cls, name: str, params: dict[str, Any]) -> "Tracking":
-        """Create the call's run (or join the one MLFLOW_RUN_ID names) and start sampling the
-        machine's metrics into it."""
+    def start(cls, name: str, params: dict[str, Any], joined: str | None) -> "Tracking":
+        """Create the call's run (or join ``joined``, the caller's own run) and start sampling
+        the machine's metrics into it."""
         import mlflow
         from mlflow import MlflowClient
 
         uri = mlflow.get_tracking_uri()
         client = MlflowClient(uri)
-        run_id = os.environ.get("MLFLOW_RUN_ID")
-        if run_id:  # the caller's own run: log into it, leave its status to its owner
-            experiment_id = client.get_run(run_id).info.experiment_id
-            tracking = cls(client, run_id, experiment_id, uri, owned=False)
+        if joined:  # the caller's own run: log into it, leave its status to its owner
+            experiment_id = client.get_run(joined).info.experiment_id
+            tracking = cls(client, joined, experiment_id, uri, owned=False)
         else:
             experiment_id = _experiment(client)
             run = client.create_run(experiment_id, run_name=name, tags={"gpufleet.function": name})
@@ -62,7 +63,7 @@ class Tracking:
             for key, value in params.items():
                 client.log_param(tracking.run_id, key, value)
         tracking._start_system_metrics()
-        print(f"gpufleet: MLflow run {tracking.run_id}: {tracking.link()}", file=sys.stderr, flush=True)
+        print(f"gpufleet: MLflow run {tracking.run_id}{tracking.where()}", file=sys.stderr, flush=True)
         return tracking
 
     def env(self) -> dict[str, str]:
@@ -74,23 +75,33 @@ class Tracking:
         }
 
     def attempt(self, number: int) -> None:
-        self.client.set_tag(self.run_id, "gpufleet.attempts", str(number + 1))
+        _quietly(self.client.set_tag, self.run_id, "gpufleet.attempts", str(number + 1))
 
     def finish(self, status: str) -> None:
-        """FINISHED, FAILED or KILLED; the machine's sampling stops first."""
-        if self.monitor is not None:
-            try:
-                self.monitor.finish()
-            except Exception:  # metrics are a help; the call's outcome must not depend on them
-                pass
-        if self.owned:
-            self.client.set_terminated(self.run_id, status)
+        """FINISHED, FAILED or KILLED, the machine's sampling stopped first; bounded in time
+        and never raising: the call's outcome must not depend on its tracking."""
 
-    def link(self) -> str:
+        def end() -> None:
+            if self.monitor is not None:
+                _quietly(self.monitor.finish)
+            if self.owned:
+                _quietly(self.client.set_terminated, self.run_id, status)
+
+        ender = threading.Thread(target=end, name="gpufleet-tracking-end", daemon=True)
+        ender.start()
+        ender.join(FINISH_WAIT_S)
+
+    def where(self) -> str:
+        """How to see the run: a link for a server, the command for a local store (printed
+        with the experiment's path only, never the URI's credentials)."""
         path = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        if self.uri.startswith(("http://", "https://", "databricks")):
-            return f"{self.uri.rstrip('/')}/{path}"
-        return f"`mlflow ui --backend-store-uri {self.uri}`, then http://127.0.0.1:5000/{path}"
+        parts = urllib.parse.urlsplit(self.uri)
+        if parts.scheme in ("http", "https"):
+            host = parts.hostname + (f":{parts.port}" if parts.port else "")
+            return f": {parts.scheme}://{host}{parts.path.rstrip('/')}/{path}"
+        if parts.scheme in ("sqlite", "file", ""):
+            return f" (see it: mlflow ui --backend-store-uri {self.uri}, then {path})"
+        return f" in experiment {self.experiment_id}"
 
     def _start_system_metrics(self) -> None:
         """CPU, memory, disk, network and (with nvidia-ml-py) every GPU's utilisation, memory,
@@ -114,43 +125,75 @@ class Tracking:
 class PendingTracking:
     """The call's MLflow run, created in a thread while the agent and ranks start: importing
     MLflow and opening (or creating) its store take one to several seconds, which the ranks'
-    own start-up hides. Ranks read the run from the run folder before the function runs."""
+    own start-up hides. The supervisor hands it to the ranks (``tracking.json``) once ready.
+
+    Whatever happens first, the run ends: ``close(status)`` before the run exists makes the
+    thread end it as soon as it does."""
 
     def __init__(self, setting: bool | None, name: str, params: dict[str, Any]):
         self.enabled = _wanted(setting)
+        self._call = (name, params, _callers_run() if self.enabled else None)
+        self._thread: threading.Thread | None = None
         self._found: Tracking | None = None
         self._error: BaseException | None = None
-        self._thread = None
-        self._call = (name, params)
+        self._closed: str | None = None  # the final status, once the call ended
+        self._lock = threading.Lock()
         self._warned = False
 
     def begin(self) -> None:
         """Start creating the run (once per call), right after the first agent started."""
         if self.enabled and self._thread is None:
-            self._thread = threading.Thread(
-                target=self._create, args=self._call, name="gpufleet-tracking", daemon=True
-            )
+            self._thread = threading.Thread(target=self._create, name="gpufleet-tracking", daemon=True)
             self._thread.start()
 
-    def _create(self, name: str, params: dict[str, Any]) -> None:
+    def _create(self) -> None:
         try:
-            self._found = Tracking.start(name, params)
-        except BaseException as exc:  # reported by get(): tracking never stops a run
+            found = Tracking.start(*self._call)
+        except BaseException as exc:  # reported by ready(): tracking never stops a run
             self._error = exc
+            return
+        with self._lock:
+            self._found = found
+            closed = self._closed
+        if closed is not None:  # the call ended first
+            found.finish(closed)
 
-    def get(self, wait: float | None = None) -> Tracking | None:
-        """The run, once created; None when tracking is off, failed, or not ready in time."""
-        if self._thread is None:
-            return None
-        self._thread.join(wait)
-        if self._thread.is_alive() or self._error is not None:
-            if not self._warned:
-                why = "not ready in time" if self._thread.is_alive() else (
-                    f"{type(self._error).__name__}: {self._error}")
-                print(f"gpufleet: this call is not tracked in MLflow ({why})", file=sys.stderr, flush=True)
-                self._warned = True
-            return None
-        return self._found
+    def ready(self) -> bool:
+        """Creation has ended (with a run or an error)."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def env(self) -> dict[str, str]:
+        """For the ranks: the run's variables, or nothing when there is none (yet)."""
+        if self._found is None:
+            self._warn("not ready in time" if self._error is None else f"{type(self._error).__name__}: {self._error}")
+            return {}
+        return self._found.env()
+
+    def attempt(self, number: int) -> None:
+        if self._found is not None:
+            self._found.attempt(number)
+
+    def close(self, status: str) -> None:
+        """The call ended with ``status``: end the run now, or as soon as it exists."""
+        with self._lock:
+            self._closed = status
+            found = self._found
+        if found is not None:
+            found.finish(status)
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            print(f"gpufleet: this call is not tracked in MLflow ({why})", file=sys.stderr, flush=True)
+            self._warned = True
+
+
+def _callers_run() -> str | None:
+    """The run the caller is in: MLFLOW_RUN_ID, or MLflow's active run of this thread."""
+    if os.environ.get("MLFLOW_RUN_ID"):
+        return os.environ["MLFLOW_RUN_ID"]
+    mlflow = sys.modules.get("mlflow")  # a caller inside mlflow.start_run() imported it
+    active = mlflow.active_run() if mlflow is not None else None
+    return active.info.run_id if active is not None else None
 
 
 def _wanted(setting: bool | None) -> bool:
@@ -166,14 +209,22 @@ def _wanted(setting: bool | None) -> bool:
     return True
 
 
+def _quietly(action, *args) -> None:
+    try:
+        action(*args)
+    except Exception as exc:  # a store that fails must not fail the run
+        print(f"gpufleet: MLflow: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
 def join_in_rank(path) -> None:
     """In a rank, before the function runs: take the call's MLflow run into the environment
     (the caller writes it once created; ``{}`` when the call is not tracked)."""
     deadline = time.monotonic() + RANK_WAIT_S
     while not path.exists():
         if time.monotonic() > deadline:
-            print(f"gpufleet: no MLflow run arrived within {RANK_WAIT_S} s; not tracked", flush=True)
+            print(f"gpufleet: no MLflow run arrived within {RANK_WAIT_S:g} s; not tracked", flush=True)
             return
+        runtime.heartbeat()
         time.sleep(0.01)
     os.environ.update(json.loads(path.read_text()))
 
@@ -185,7 +236,15 @@ def _experiment(client: Any) -> str:
         return os.environ["MLFLOW_EXPERIMENT_ID"]
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
     found = client.get_experiment_by_name(name)
-    return found.experiment_id if found else client.create_experiment(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # another call created it meanwhile
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: str | None = None) -> None:
@@ -204,20 +263,25 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: s
     if reduce is not None:
         values = _reduced(values, reduce)
     run_id = os.environ.get("MLFLOW_RUN_ID")
-    if not run_id or runtime.get_global_rank() != 0:
+    if not (_environ.tracked() and run_id) or runtime.get_global_rank() != 0:
         return
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
     batch = [Metric(k, v, now, step or 0) for k, v in zip(names, values)]
-    MlflowClient(os.environ.get("MLFLOW_TRACKING_URI")).log_batch(run_id, metrics=batch)
+    _quietly(MlflowClient(os.environ.get("MLFLOW_TRACKING_URI")).log_batch, run_id, batch)
 
 
 def _reduced(values: list[float], how: str) -> list[float]:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if runtime.get_world_size() == 1:
         return values
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            f"log_metrics(reduce={how!r}) combines values across ranks, which needs the process "
+            "group: call runtime.setup() first"
+        )
     import torch
 
     tensor = torch.tensor(values, dtype=torch.float64)
