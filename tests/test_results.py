@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -79,7 +80,7 @@ def test_two_ranks_get_args_kwargs_torchrun_env_and_return_in_rank_order(runs_di
     assert len(pids) == 2 and os.getpid() not in pids, "each rank must be its own process"
 
     err = capfd.readouterr().err
-    gpu_lines = [line for line in err.splitlines() if "gpu" in line.lower()]
+    gpu_lines = [line for line in err.splitlines() if re.search(r"\bgpu\b", line, re.IGNORECASE)]
     assert len(gpu_lines) == 1, f"expected one line saying no GPU was found, got: {err!r}"
     assert "gloo" in gpu_lines[0].lower() or "cpu" in gpu_lines[0].lower()
     assert len(run_folders(runs_dir)) == 1
