@@ -15,6 +15,7 @@ rank's result or a precise error.
 from gpufleet import runtime
 from gpufleet.tracking import log_metrics
 from gpufleet.api import DistributedFunction, distributed
+from gpufleet.pool import Pool, pool
 from gpufleet.errors import (
     ConfigError,
     GpufleetError,
@@ -33,6 +34,7 @@ __all__ = [
     "DistributedFunction",
     "GpufleetError",
     "PayloadError",
+    "Pool",
     "RankFailure",
     "RunFailedError",
     "RunHangError",
@@ -40,5 +42,6 @@ __all__ = [
     "RunTimeoutError",
     "distributed",
     "log_metrics",
+    "pool",
     "runtime",
 ]

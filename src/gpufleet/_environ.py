@@ -16,6 +16,8 @@ PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must d
 UMASK = "GPUFLEET_UMASK"  # the caller's umask, for user code in the ranks
 ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first retry, ...
 TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run folder's tracking.json
+POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
+POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory between calls
 
 
 def int_var(name: str, default: int) -> int:
@@ -60,6 +62,10 @@ def run_dir() -> Path | None:
 
 def tracked() -> bool:
     return os.environ.get(TRACKED) == "1"
+
+
+def pool_mode() -> str | None:
+    return os.environ.get(POOL) or None
 
 
 def device_kind() -> str | None:

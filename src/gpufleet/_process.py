@@ -23,6 +23,19 @@ def die_with_parent(sig: signal.Signals, expected_parent: int | None) -> None:
         os.kill(os.getpid(), sig)
 
 
+def alive(pid: int | None) -> bool:
+    """True while process ``pid`` exists (None: no process to check, so True)."""
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
+
+
 def kill_group(pgid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
     """Signal a whole process group; False when nothing of it is left."""
     try:

@@ -1,13 +1,15 @@
-"""The entry of every rank: ``python -m gpufleet._worker RUN_DIR``.
+"""The entry of every rank: ``main(RUN_DIR)``, forked from the agent's template process.
 
 It runs the pickled call once and leaves exactly one result file behind: ``("ok", value)`` or
-``("error", RankFailure)``. See docs/design.md for why it ends with ``os._exit``.
+``("error", RankFailure)``. A warm rank (``gpufleet.pool``) does the same for each call handed
+to it. See docs/design.md for why it ends with ``os._exit``.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import json
 import os
 import signal
 import socket
@@ -17,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process, diagnosis, payload, runtime, timings, tracking
+from gpufleet import _environ, _process, _warm, diagnosis, payload, runtime, timings, tracking
 from gpufleet.errors import RankFailure
 from gpufleet.rundir import RunDir, check_private_dir
 
@@ -34,19 +36,34 @@ _PEER_LOSS_MESSAGES = (
 )
 
 
-def main(argv: list[str]) -> None:
+def main(run_dir: str) -> None:
+    """A rank: forked by elastic's agent from its template process, which has imported
+    torch and gpufleet already (``launchers/_elastic_agent.py``)."""
     timings.mark("ranks_started", timings.process_started())
-    run = RunDir(Path(argv[1]))
+    # Its own process group, as elastic gives ranks it starts from a command: gpufleet's
+    # teardown kills each rank's group whole. The template dies with the agent, and the
+    # rank with the template; an agent already gone means no run to join.
+    os.setsid()
+    _process.die_with_parent(signal.SIGKILL, None)
+    if not _process.alive(_environ.parent_pid()):
+        os._exit(1)
+    sys.argv = [__file__, run_dir]
+    run = RunDir(Path(run_dir))
     rank = _environ.rank()
-    _process.die_with_parent(signal.SIGKILL, _environ.parent_pid())
-    _send_output_to(run.log(rank))
     umask = _environ.caller_umask()
     if umask is not None:
         os.umask(umask)
+    ok = _serve(run, rank) if _environ.pool_mode() else _call(run, rank)
+    _exit(0 if ok else 1)
+
+
+def _call(run: RunDir, rank: int, body=None) -> bool:
+    """Run one call in ``run`` (its payload, or ``body``) and leave its result there."""
+    _send_output_to(run.log(rank))
     payload.write_private(run.pid_file(rank), str(os.getpid()).encode())
     _answer_stack_requests(run.stacks(rank))
     runtime.heartbeat()
-    outcome = _run(run, rank)
+    outcome = _run(run, rank, body or _payload_call)
     try:
         data = payload.dump_result(outcome)
     except Exception as exc:  # the return value does not pickle: report that instead
@@ -54,7 +71,40 @@ def main(argv: list[str]) -> None:
         data = payload.dump_result(outcome)
     timings.write_rank(run.timings(rank))
     payload.write_private(run.result(rank), data)
-    _exit(0 if outcome[0] == "ok" else 1)
+    return outcome[0] == "ok"
+
+
+def _serve(pool: RunDir, rank: int) -> bool:
+    """A warm rank of ``gpufleet.pool``: set up CUDA and the process group once, then run
+    each call handed over through the pool's pipe, in the call's own run folder, until the
+    pipe closes. A failed call ends the rank, and the pool starts again for the next call:
+    no call inherits a broken process group or a collective left half done."""
+    if not _call(pool, rank, _warm_up):
+        return False
+    baseline = _warm.Baseline()
+    group = _warm.WarmGroup()
+    group.install()
+    release_memory = _environ.pool_mode() != _environ.POOL_KEEP_MEMORY
+    with open(pool.orders(rank), "rb") as orders:
+        for line in orders:
+            order = json.loads(line)
+            timings.reset()
+            timings.mark("call_received")
+            baseline.enter(order["env"])
+            group.begin_call()
+            if not _call(RunDir(Path(order["run"])), rank):
+                return False
+            group.end_call(keep=runtime._own_groups())
+            _send_output_to(pool.log(rank))
+            _answer_stack_requests(pool.stacks(rank))
+            baseline.restore(release_memory)
+            if rank == 0:
+                payload.write_private(pool.modules, json.dumps(_warm.user_modules()).encode())
+    return True
+
+
+def _warm_up(run: RunDir) -> None:
+    runtime.setup()
 
 
 def _send_output_to(log: Path) -> None:
@@ -74,22 +124,15 @@ def _answer_stack_requests(path: Path) -> None:
     stacks.write(f"{diagnosis.MAIN_THREAD_HEADER}{threading.main_thread().ident:#x}\n")
     stacks.flush()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+    while _keep_open:  # a warm rank's previous call's file
+        _keep_open.pop().close()
     _keep_open.append(stacks)
 
 
-def _run(run: RunDir, rank: int) -> tuple:
+def _run(run: RunDir, rank: int, body) -> tuple:
     try:
         check_private_dir(run.path)  # refuse a run folder that someone else could have planted
-        fn, args, kwargs = payload.load_call(run.payload)
-        timings.mark("payload_loaded")
-        runtime.heartbeat()  # loading may import for a long time; that was progress too
-        if _environ.tracked():
-            tracking.join_in_rank(run.tracking)
-            timings.mark("tracking_joined")
-        try:
-            value = fn(*args, **kwargs)
-        finally:
-            timings.mark("function_ended")
+        value = body(run)
         runtime._finish_saves()
         return ("ok", value)
     except SystemExit as exc:
@@ -100,6 +143,19 @@ def _run(run: RunDir, rank: int) -> tuple:
         failure = _failure(rank, exc)
         print(failure.traceback, file=sys.stderr, end="", flush=True)  # the rank's log too
         return ("error", failure)
+
+
+def _payload_call(run: RunDir):
+    fn, args, kwargs = payload.load_call(run.payload)
+    timings.mark("payload_loaded")
+    runtime.heartbeat()  # loading may import for a long time; that was progress too
+    if _environ.tracked():
+        tracking.join_in_rank(run.tracking)
+        timings.mark("tracking_joined")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        timings.mark("function_ended")
 
 
 def _failure(rank: int, exc: BaseException, kind: str = "", summary: str = "") -> RankFailure:
@@ -215,14 +271,22 @@ def _is_peer_loss(exc: BaseException | None) -> bool:
 
 
 def _exit(code: int) -> None:
-    """Leave without running C++ static destructors (gloo aborts in them), atexit hooks kept."""
-    threading.Timer(EXIT_GRACE_SECONDS, os._exit, (code,)).start()
+    """End the rank without C++ static destructors (gloo aborts in them), atexit hooks kept.
+
+    A failed rank leaves at once (``os._exit``). A successful one returns to elastic's
+    wrapper, which hands its (empty) return value to the agent and then leaves through
+    ``os._exit`` too; a user's leftover thread cannot hold it longer than EXIT_GRACE_SECONDS.
+    """
+    timer = threading.Timer(EXIT_GRACE_SECONDS, os._exit, (code,))
+    timer.daemon = True
+    timer.start()
     if code == 0:
         _release_process_group()
     atexit._run_exitfuncs()  # user hooks (loggers, trackers) still flush
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    if code != 0:
+        os._exit(code)
 
 
 def _release_process_group() -> None:
@@ -234,6 +298,3 @@ def _release_process_group() -> None:
     except Exception:  # the result is already written; a failed cleanup must not fail the rank
         traceback.print_exc()
 
-
-if __name__ == "__main__":
-    main(sys.argv)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from gpufleet import _environ, hardware, launchers, runtime
+from gpufleet import _environ, hardware, launchers, pool, runtime
 from gpufleet.errors import ConfigError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
@@ -120,12 +120,29 @@ class DistributedFunction(Generic[R]):
         write_private(run.payload, payload)
         launcher = launchers.get("local")
         env = {_environ.TRACKED: "1"} if tracking.enabled else {}
-        agent = launcher.launch(launcher.plan(run, placement, opts, attempt, env), run)
-        tracking.begin()  # created while the ranks start; the supervisor hands it over
+        plan = launcher.plan(run, placement, opts, attempt, env)
         stamps = {"call": called_at, "attempt_started": started_at}
+        warm = pool.for_call(opts, placement)
+        if warm is None:
+            agent = launcher.launch(plan, run)
+            return self._supervise(run, agent, placement, preemption, stamps, tracking, attempt, deadline)
+        with warm._lease() as ranks:
+            stamps["pool_ready"] = time.time()  # after any (re)start of the pool's ranks
+            ranks.hand_over(run, plan.env)
+            return self._supervise(
+                run, ranks.agent, placement, preemption, stamps, tracking, attempt, deadline,
+                ranks.folder,
+            )
+
+    def _supervise(
+        self, run: RunDir, agent, placement, preemption: Preemption, stamps: dict, tracking,
+        attempt: int, deadline: float | None, pool_folder: RunDir | None = None,
+    ) -> list[R]:
+        tracking.begin()  # created while the ranks start; the supervisor hands it over
         supervisor = Supervisor(
-            run, agent, placement.nprocs, opts, preemption, stamps,
+            run, agent, placement.nprocs, self._options, preemption, stamps,
             tracking if tracking.enabled else None, attempt,
+            launcher=pool_folder, pooled=pool_folder is not None,
         )
         return supervisor.wait(deadline)
 
@@ -156,6 +173,8 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
                 every run folder keeps them in timings.json either way
       tracking  MLflow: one run per call, shared with every rank (None: when MLflow is
                 installed; True: require it; False: never)
+      warm      keep the ranks alive after a call, so the next call ships only its payload
+                (a gpufleet.pool shared by such functions; see gpufleet.pool)
 
     Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
     """

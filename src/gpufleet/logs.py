@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -9,6 +10,13 @@ from typing import TextIO
 
 TAIL_LINES = 15
 TAIL_BYTES = 64 * 1024
+# What a crash dump (faulthandler) shows that is not the user's: the frames of the machinery
+# that started the rank (gpufleet, multiprocessing, elastic's wrappers) and the list of
+# loaded extension modules.
+_MACHINERY_FRAME = re.compile(
+    r'^\s+File "(<string>|[^"]*(/gpufleet/|/multiprocessing/|/torch/distributed/elastic/)[^"]*)", line \d+ in '
+)
+_EXTENSION_MODULES = "Extension modules: "
 
 
 def tail_lines(path: Path, end: int | None = None, count: int = TAIL_LINES) -> list[str]:
@@ -21,6 +29,10 @@ def tail_lines(path: Path, end: int | None = None, count: int = TAIL_LINES) -> l
     except FileNotFoundError:
         return []
     lines = data.decode(errors="replace").splitlines()
+    lines = [
+        line for line in lines
+        if not _MACHINERY_FRAME.match(line) and not line.startswith(_EXTENSION_MODULES)
+    ]
     return lines[-count:]
 
 

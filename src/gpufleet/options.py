@@ -38,6 +38,7 @@ class RunOptions:
     grace_period: float = DEFAULT_GRACE_PERIOD
     show_timings: bool = False
     tracking: bool | None = None  # MLflow: None = when installed
+    warm: bool = False  # keep the ranks alive between calls (a shared gpufleet.pool)
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -92,6 +93,7 @@ def _checked(options: dict) -> dict:
         "grace_period": _check_grace_period,
         "show_timings": _check_show_timings,
         "tracking": _check_tracking,
+        "warm": _check_warm,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -151,6 +153,14 @@ def _check_tracking(tracking):
             f"tracking={tracking!r} must be None (MLflow when installed), True or False"
         )
     return tracking
+
+
+def _check_warm(warm):
+    if not isinstance(warm, bool):
+        raise ConfigError(
+            f"warm={warm!r} must be True (keep the ranks alive between calls) or False"
+        )
+    return warm
 
 
 def _check_show_timings(show_timings):

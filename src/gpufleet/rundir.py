@@ -82,6 +82,16 @@ class RunDir:
         """The call's MLflow run as environment variables, for the ranks (``tracking.py``)."""
         return self.path / "tracking.json"
 
+    def orders(self, rank: int) -> Path:
+        """A warm pool's pipe to rank N: one line per call (``pool.py``)."""
+        return self.path / "orders" / f"rank-{rank}"
+
+    @property
+    def modules(self) -> Path:
+        """The files of the user modules a warm pool's ranks have imported, with their
+        modification times: an edited module means a fresh pool."""
+        return self.path / "modules.json"
+
     @property
     def stop_request(self) -> Path:
         """Exists once the caller was asked to stop (SIGTERM): ``runtime.should_stop()``."""

@@ -151,6 +151,11 @@ def _gloo_group(dist):
     return _stop_group[1]
 
 
+def _own_groups() -> tuple:
+    """The process groups gpufleet made for itself (kept alive by a warm pool)."""
+    return (_stop_group[1],) if _stop_group is not None else ()
+
+
 def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch.device":
     """Bind this rank's GPU and initialise the default process group; return the device.
 

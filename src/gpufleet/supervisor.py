@@ -30,6 +30,7 @@ from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
 
 POLL_SECONDS = 0.05
 STOP_GRACE_SECONDS = 5.0
+TEARDOWN_SECONDS = 30.0  # for ranks that returned to exit (a rank's own limit is EXIT_GRACE_SECONDS)
 
 
 class Preemption:
@@ -73,8 +74,17 @@ class Supervisor:
         stamps: dict[str, float],
         tracking: PendingTracking | None,
         attempt: int,
+        launcher: RunDir | None = None,
+        pooled: bool = False,
     ):
+        """The call is done once every rank has written its result: the values are returned
+        while the ranks and the agent exit in the background. ``launcher``: the folder of
+        the agent's own files (its log and report), when it is not ``run``: a warm pool's.
+        ``pooled``: the ranks live on after the call (a warm pool)."""
         self.run = run
+        self.launcher = launcher or run
+        self.pooled = pooled
+        self.returned = False  # every rank wrote its result and the ranks live on
         self.stamps = dict(stamps)  # the caller's instants (timings.py)
         self.tracking = tracking  # handed to the ranks once ready (tracking.json)
         self.tracking_due = time.monotonic() + CALLER_WAIT_S
@@ -127,15 +137,32 @@ class Supervisor:
             raise
         finally:
             self.follower.close()
-            self._sweep()
-            self.stamps["agent_exited"] = time.time()
+            if not (self.returned and self.agent.poll() is None):
+                self._sweep()
+                self.stamps["agent_exited"] = time.time()
         if self.preemption.requested_at is not None:  # it outranks a hang or a timeout
             self._ask_to_stop()
+            self._end_ranks()
             preempted = self._preempted_error()
             raise preempted from _original_exception(preempted) or error
         if error is not None:
             raise error
-        return collect(self.run, self.world_size, self.monitor, self.agent)
+        try:
+            values = collect(self.run, self.world_size, self.monitor, self.agent, self.launcher)
+        except RunFailedError:
+            self._end_ranks()  # a failed call returns once its ranks are gone
+            raise
+        if self.returned and self.agent.poll() is None:
+            self.stamps["ranks_returned"] = time.time()
+            if not self.pooled:  # the values go back while the ranks and the agent exit
+                threading.Thread(target=self._teardown, name="gpufleet-teardown", daemon=True).start()
+        return values
+
+    def _end_ranks(self) -> None:
+        """Wait for the ranks that returned, and their agent, to exit (a pool's live on)."""
+        if self.returned and not self.pooled and self.agent.poll() is None:
+            self._teardown()
+            self.stamps["agent_exited"] = time.time()
 
     def _follow(self, deadline: float | None) -> str:
         """Follow the run until it ends ("done"), or until it must be stopped: "timeout",
@@ -144,6 +171,10 @@ class Supervisor:
         while self.agent.poll() is None:
             if self.follower.poll():
                 self.monitor.progress()
+            if all(self.run.result(r).exists() for r in range(self.world_size)):
+                self.follower.poll()
+                self.returned = True
+                return "done"
             self.monitor.sample()
             self._hand_over_tracking()
             if self.preemption.requested_at is not None:
@@ -200,6 +231,14 @@ class Supervisor:
         finally:  # a second Ctrl-C lands here too: kill at once
             self._sweep()
 
+    def _teardown(self) -> None:
+        """After every rank returned: let them and the agent exit by themselves, then sweep."""
+        try:
+            self.agent.wait(TEARDOWN_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        self._sweep()
+
     def _sweep(self) -> None:
         """Kill every process group of the run that still exists; reap the agent."""
         for rank in range(self.world_size):
@@ -233,7 +272,7 @@ class Supervisor:
         """After a SIGTERM: every rank's value if all returned in time; otherwise the ranks
         that failed while stopping (root cause first) and those stopped at the grace period's
         end."""
-        report = _read_report(self.run)
+        report = _read_report(self.launcher)
         values, failures = {}, []
         for rank in range(self.world_size):
             status, failure = _read_result(self.run, rank)
@@ -242,7 +281,7 @@ class Supervisor:
                 continue
             death = report.get("failures", {}).get(str(rank))
             if failure is None and death and death["exitcode"] not in (-signal.SIGTERM, -signal.SIGKILL):
-                failure = _death(self.run, rank, report, self.monitor)  # it died by itself
+                failure = _death(self.launcher, rank, report, self.monitor)  # it died by itself
             if failure is None:
                 failure = RankFailure(
                     rank=rank,
@@ -306,23 +345,27 @@ def _where(state: diagnosis.RankState | None) -> str:
 
 
 def collect(
-    run: RunDir, world_size: int, monitor: RunMonitor | None = None, agent: subprocess.Popen | None = None
+    run: RunDir, world_size: int, monitor: RunMonitor | None = None,
+    agent: subprocess.Popen | None = None, launcher: RunDir | None = None,
 ) -> list:
-    """Results in rank order, or RunFailedError with the root cause first."""
-    report = _read_report(run)
+    """Results in rank order, or RunFailedError with the root cause first. ``launcher``: the
+    folder with the agent's report, when not ``run``."""
+    launcher = launcher or run
+    report = _read_report(launcher)
     values, failures = {}, []
     for rank in range(world_size):
         status, item = _read_result(run, rank)
         if status == "ok":
             values[rank] = item
             continue
-        failure = item or _death(run, rank, report, monitor)
+        failure = item or _death(launcher, rank, report, monitor)
         failure.log_tail = tail_lines(run.log(rank), end=failure.log_bytes)
         failures.append(failure)
     if not failures:
         return [values[rank] for rank in range(world_size)]
     failures, stopped = _split_stopped(failures)
-    headline = _lost_launcher(agent) if report.get("state") == "lost" and agent else None
+    lost = report.get("state") == "lost" and agent is not None and agent.poll() is not None
+    headline = _lost_launcher(agent) if lost else None
     error = RunFailedError(
         failures, run_dir=run.path, world_size=world_size, stopped=stopped, headline=headline
     )
@@ -369,14 +412,17 @@ def _read_report(run: RunDir) -> dict:
         return {"state": "lost"}
 
 
-def _death(run: RunDir, rank: int, report: dict, monitor: RunMonitor | None = None) -> RankFailure:
+def _death(launcher: RunDir, rank: int, report: dict, monitor: RunMonitor | None = None) -> RankFailure:
     info = report.get("failures", {}).get(str(rank))
+    if info is None and report.get("state") == "failed":
+        # elastic reports the rank that failed; it stopped the others with SIGTERM
+        info = {"exitcode": -signal.SIGTERM}
     if info is None:
-        detail = report.get("error") or "\n".join(tail_lines(run.agent_log))
+        detail = report.get("error") or "\n".join(tail_lines(launcher.agent_log))
         return RankFailure(
             rank=rank,
             kind="lost",
-            summary=f"no result: the launcher stopped first (its log: {run.agent_log})",
+            summary=f"no result: the launcher stopped first (its log: {launcher.agent_log})",
             traceback=detail,
         )
     code = info["exitcode"]

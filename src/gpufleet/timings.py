@@ -23,7 +23,9 @@ from gpufleet.rundir import RunDir
 PHASES = (
     ("call", ""),
     ("attempt_started", "checks and payload in the caller"),
+    ("pool_ready", "start the warm pool's ranks"),
     ("ranks_started", "start the agent and the rank processes"),
+    ("call_received", "hand the call to the warm ranks"),
     ("payload_loaded", "interpreter, imports and payload"),
     ("tracking_joined", "waiting for the call's MLflow run"),
     ("setup_started", "user code before runtime.setup()"),
@@ -31,9 +33,10 @@ PHASES = (
     ("process_group_ready", "rendezvous and process group"),
     ("function_ended", "user function"),
     ("agent_exited", "rank exits and the agent's teardown"),
+    ("ranks_returned", "results written"),
     ("results_collected", "read the results"),
 )
-_RANK_INSTANTS = {"ranks_started", "payload_loaded", "tracking_joined", "setup_started", "cuda_ready",
+_RANK_INSTANTS = {"ranks_started", "call_received", "payload_loaded", "tracking_joined", "setup_started", "cuda_ready",
                   "process_group_ready", "function_ended"}
 
 _stamps: dict[str, float] = {}  # this process's instants
@@ -42,6 +45,11 @@ _stamps: dict[str, float] = {}  # this process's instants
 def mark(name: str, at: float | None = None) -> None:
     """Note that this process has reached ``name``, now or ``at`` (the first time counts)."""
     _stamps.setdefault(name, time.time() if at is None else at)
+
+
+def reset() -> None:
+    """Forget this process's instants: a warm rank starts each call afresh."""
+    _stamps.clear()
 
 
 def stamps() -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The local engine's process: ``python -m gpufleet.launchers._elastic_agent RUN_DIR``.
 
 It runs torch.distributed.elastic's agent, as torchrun does, with gpufleet's worker as the
-binary entry point, and writes ``agent.json``: the state and every failed rank's exit code.
+function entry point forked from a template process (``_start_template``), and writes
+``agent.json``: the state and every failed rank's exit code.
 
 The rendezvous is elastic's static TCP rendezvous with one change: its store, which the ranks
 also use as MASTER_PORT, listens on 127.0.0.1 only, on a port the kernel picks while binding
@@ -19,13 +20,14 @@ import sys
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process
+from gpufleet import _environ, _process, _worker
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
 RENDEZVOUS_BACKEND = "gpufleet-loopback"
+TEMPLATE_PRELOAD = ["torch", "torch.distributed", "gpufleet._worker"]
 LOOPBACK = "127.0.0.1"
 
 
@@ -36,9 +38,22 @@ def main(argv: list[str]) -> None:
     os.environ[_environ.PARENT_PID] = str(os.getpid())  # workers die with this process
     # Everything elastic writes into the run folder is private; ranks get the caller's umask back.
     os.environ[_environ.UMASK] = f"{os.umask(0o077):o}"
+    _start_template()
     report = _launch(run, spec["nprocs"])
     write_private(run.agent_report, json.dumps(report).encode())
     sys.exit(0 if report["state"] == "succeeded" else 1)
+
+
+def _start_template() -> None:
+    """Start the process the ranks are forked from (multiprocessing's forkserver) now, so
+    that it imports torch while this process imports elastic: the ranks start with torch
+    imported, in milliseconds. It never touches CUDA, so forking from it is safe, and it
+    exits when this process does."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(TEMPLATE_PRELOAD)
+    forkserver.ensure_running()
 
 
 def _launch(run: RunDir, nprocs: int) -> dict:
@@ -48,7 +63,7 @@ def _launch(run: RunDir, nprocs: int) -> dict:
 
     try:
         _register_loopback_rendezvous()
-        elastic_launch(_config(run, nprocs), sys.executable)("-m", "gpufleet._worker", str(run.path))
+        elastic_launch(_config(run, nprocs), _worker.main)(str(run.path))
     except ChildFailedError as exc:
         return {"state": "failed", "failures": _failures(exc)}
     except SignalException as exc:
@@ -72,6 +87,7 @@ def _config(run: RunDir, nprocs: int):
         rdzv_endpoint=f"{LOOPBACK}:0",
         local_addr=LOOPBACK,
         max_restarts=0,
+        start_method="forkserver",
         monitor_interval=MONITOR_INTERVAL,
         shutdown_timeout=SHUTDOWN_GRACE_SECONDS,  # newer torch only; older ones wait 30 s
         logs_specs=DefaultLogsSpecs(log_dir=str(run.elastic_logs), redirects=Std.NONE, tee=Std.NONE),

@@ -1,0 +1,141 @@
+"""A warm rank's process state: what each call finds, and what it leaves behind.
+
+A pool's rank runs many calls in one process. Each call should find the process as a cold
+rank would: the caller's environment, the starting folder and import path, fresh random
+number generators, no GPU memory held by the call before. ``Baseline`` records that state
+once the rank is set up and puts it back after every call. ``WarmGroup`` keeps the process
+group the pool made alive across calls while user code that creates and destroys its own
+default group (``init_process_group`` / ``destroy_process_group``) keeps working unchanged.
+docs/design.md ("Warm pool") lists what is reset and what is not.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import sys
+from collections.abc import Mapping
+
+
+class Baseline:
+    """The process state a call starts from."""
+
+    def __init__(self):
+        import torch
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.path = list(sys.path)
+        self.cpu_rng = torch.get_rng_state()
+        self.seed = torch.initial_seed()
+        self.threads = torch.get_num_threads()
+        self.default_dtype = torch.get_default_dtype()
+        self.cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def enter(self, changes: Mapping[str, str | None]) -> None:
+        """Apply a call's environment: the caller's variables that changed since the pool
+        started (None: unset) and the call's ``env`` option."""
+        for name, value in changes.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    def restore(self, release_memory: bool) -> None:
+        """Undo what a call changed in this process; free the GPU memory it cached."""
+        import torch
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        try:
+            os.chdir(self.cwd)
+        except OSError:  # the folder is gone; the next call starts where it is
+            pass
+        sys.path[:] = self.path
+        torch.set_rng_state(self.cpu_rng)
+        random.seed()  # a fresh process seeds Python's generator from the OS, and so does this
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.default_dtype)
+        torch.set_grad_enabled(True)
+        gc.collect()
+        if torch.cuda.is_initialized():
+            if self.cuda_device is not None:
+                torch.cuda.set_device(self.cuda_device)
+            torch.cuda.manual_seed_all(self.seed)
+            torch.cuda.synchronize()
+            if release_memory:
+                torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+class WarmGroup:
+    """Makes the pool's default process group outlive each call.
+
+    While installed, ``init_process_group`` when the warm group exists returns at once (the
+    group it would create, with the same ranks and device, is already there), and
+    ``destroy_process_group()`` of the default group does nothing. Groups a call creates
+    with ``new_group`` are destroyed when the call ends, so communicators do not pile up.
+    """
+
+    def __init__(self):
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        self._dist = dist
+        self._c10d = distributed_c10d
+        self._group = dist.group.WORLD
+        self._real_init = distributed_c10d.init_process_group
+        self._real_destroy = distributed_c10d.destroy_process_group
+        self._kept: set = set()
+
+    def install(self) -> None:
+        for module in (self._dist, self._c10d):
+            module.init_process_group = self._init
+            module.destroy_process_group = self._destroy
+
+    def _init(self, *args, **kwargs):
+        if self._dist.is_initialized() and self._dist.group.WORLD is self._group:
+            return None
+        return self._real_init(*args, **kwargs)
+
+    def _destroy(self, group=None):
+        if group is None or group is self._group:
+            return None
+        return self._real_destroy(group)
+
+    def begin_call(self) -> None:
+        self._kept = set(self._groups())
+
+    def end_call(self, keep=()) -> None:
+        """Destroy the groups the call created, except those in ``keep`` (gpufleet's own)."""
+        for group in self._groups():
+            if group not in self._kept and group is not self._group and group not in keep:
+                try:
+                    self._real_destroy(group)
+                except Exception:  # already shut down by its owner
+                    pass
+
+    def _groups(self) -> list:
+        world = getattr(self._c10d, "_world", None)
+        return list(getattr(world, "pg_map", {}).keys()) if world is not None else []
+
+
+def user_modules() -> dict[str, float]:
+    """The source files of imported modules outside the installed packages, with their
+    modification times."""
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__),
+                       os.path.dirname(__file__)})
+    found = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not path or path.startswith(installed) or "site-packages" in path or "dist-packages" in path:
+            continue
+        try:
+            found[path] = os.stat(path).st_mtime
+        except OSError:
+            pass
+    return found
