@@ -5,15 +5,19 @@
 
 The job: every process initialises a process group (NCCL on GPUs, gloo on CPU), does one
 all-reduce, and returns. Each launcher is timed in a fresh interpreter that has already imported
-torch, as a notebook user would call it: gpufleet's `.distributed()`, `torchrun` run as a
-command, `torch.multiprocessing.spawn`, and accelerate's `notebook_launcher` (fork). The table
-shows medians and the ratio to torchrun.
+torch, as a notebook user would call it: gpufleet's `.distributed()` cold (new processes every
+call) and warm (calls in a `gpufleet.pool`, whose start is reported apart), `torchrun` run as a
+command, `torch.multiprocessing.spawn`, accelerate's `notebook_launcher` (fork), and Ray
+Train's `TorchTrainer` when Ray is installed (`ray.init` once, before the timed calls). The
+table shows medians and the ratio to torchrun, then gpufleet's calls phase by phase.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -23,7 +27,7 @@ import subprocess
 import sys
 import time
 
-LAUNCHERS = ("gpufleet", "torchrun", "mp.spawn", "notebook_launcher")
+LAUNCHERS = ("gpufleet", "gpufleet-warm", "torchrun", "mp.spawn", "notebook_launcher", "ray-train")
 
 
 def job() -> float:
@@ -54,13 +58,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ray_train_job() -> None:
+    """Ray Train has made the process group; the same all-reduce as ``job``."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    value = torch.ones(1, device=device)
+    dist.all_reduce(value)
+    value.item()
+
+
 def run_once(launcher: str, nprocs: int) -> dict | None:
     """One call; for gpufleet, the phases of its run (gpufleet.timings)."""
-    if launcher == "gpufleet":
+    if launcher.startswith("gpufleet"):
         from gpufleet import distributed
         from gpufleet.timings import Timings
 
-        fn = distributed(gpus=nprocs, logs="none")(job)
+        fn = distributed(gpus=nprocs, logs="none", tracking=False)(job)
         values = fn.distributed()
         assert values == [float(nprocs)] * nprocs, values
         return dict(Timings.read(fn.last_run).phases())
@@ -76,28 +91,55 @@ def run_once(launcher: str, nprocs: int) -> dict | None:
         from accelerate import notebook_launcher
 
         notebook_launcher(job, num_processes=nprocs)
+    elif launcher == "ray-train":
+        import torch
+        from ray.train import ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        scaling = ScalingConfig(num_workers=nprocs, use_gpu=torch.cuda.is_available())
+        TorchTrainer(_ray_train_job, scaling_config=scaling).fit()
     return None
 
 
 def child(launcher: str, nprocs: int, reps: int) -> None:
     """Time ``reps`` calls in this (fresh) interpreter; print the times as JSON."""
-    import torch  # noqa: F401  - imported before timing, as in a notebook
+    import torch
 
-    times, phases = [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        phases.append(run_once(launcher, nprocs))
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"times": times, "phases": [p for p in phases if p]}))
+    print(f"torch {torch.__version__} imported before timing, as in a notebook", file=sys.stderr)
+    times, phases, note = [], [], ""
+    with contextlib.ExitStack() as stack:
+        if launcher == "gpufleet-warm":
+            import gpufleet
+
+            start = time.perf_counter()
+            stack.enter_context(gpufleet.pool(gpus=nprocs))
+            note = f"pool start {time.perf_counter() - start:.2f} s, not in the times"
+        elif launcher == "ray-train":
+            import ray
+
+            start = time.perf_counter()
+            ray.init(num_cpus=max(nprocs, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=False)
+            stack.callback(ray.shutdown)
+            note = f"ray.init {time.perf_counter() - start:.2f} s, not in the times"
+        for _ in range(reps):
+            start = time.perf_counter()
+            phases.append(run_once(launcher, nprocs))
+            times.append(time.perf_counter() - start)
+    print(json.dumps({"times": times, "phases": [p for p in phases if p], "note": note}))
 
 
-def measure(launcher: str, nprocs: int, reps: int) -> tuple[list[float], list[dict]] | str:
+def measure(launcher: str, nprocs: int, reps: int) -> dict | str:
+    """The child's times, phases and note; or why it did not run."""
+    if launcher == "ray-train" and importlib.util.find_spec("ray") is None:
+        return "Ray is not installed"
+    if launcher == "notebook_launcher" and importlib.util.find_spec("accelerate") is None:
+        return "accelerate is not installed"
     cmd = [sys.executable, __file__, "--child", launcher, f"--nprocs={nprocs}", f"--reps={reps}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    return found["times"], found["phases"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def hardware() -> str:
@@ -113,17 +155,17 @@ def hardware() -> str:
 
 
 def report(nprocs: int, reps: int, launchers: list[str]) -> str:
-    rows, medians, phases = [], {}, []
+    rows, medians, phases = [], {}, {}
     for launcher in launchers:
         measured = measure(launcher, nprocs, reps)
         if isinstance(measured, str):
             rows.append((launcher, "—", "—", "—", f"not run: {measured}"))
             continue
-        times, found = measured
-        phases += found
+        times = measured["times"]
+        phases[launcher] = measured["phases"]
         medians[launcher] = statistics.median(times)
         rows.append((launcher, f"{medians[launcher]:.2f}", f"{min(times):.2f}",
-                     f"{max(times):.2f}", ""))
+                     f"{max(times):.2f}", measured["note"]))
     base = medians.get("torchrun")
     lines = [
         f"# Launch overhead, {nprocs} processes, {reps} repetitions",
@@ -138,11 +180,18 @@ def report(nprocs: int, reps: int, launchers: list[str]) -> str:
     for name, median, low, high, note in rows:
         ratio = f"{medians[name] / base:.2f}" if base and name in medians else "—"
         lines.append(f"| {name} | {median} | {low} | {high} | {ratio} | {note} |")
-    if phases:
-        lines += ["", "gpufleet's calls, phase by phase (median over the calls; `gpufleet.timings`):", "",
-                  "| phase | median s |", "|---|---|"]
-        for phase in phases[0]:
-            lines.append(f"| {phase} | {statistics.median(p.get(phase, 0.0) for p in phases):.3f} |")
+    found = {name: calls for name, calls in phases.items() if calls}
+    if found:
+        names = list(found)
+        from gpufleet.timings import PHASES
+
+        seen = {phase for calls in found.values() for call in calls for phase in call}
+        order = [label for _, label in PHASES if label in seen]
+        lines += ["", "gpufleet's calls, phase by phase (median s over the calls; `gpufleet.timings`):", "",
+                  "| phase | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for phase in order:
+            cells = [f"{statistics.median(c.get(phase, 0.0) for c in found[n]):.3f}" for n in names]
+            lines.append(f"| {phase} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import psutil
 import pytest
 import torch
 
@@ -99,3 +100,56 @@ def test_mlp_ddp_example_trains_on_gpus(run_script):
     assert len(losses) >= 2, result.stdout
     assert "no gpu" not in result.stderr.lower()
     assert_all_gone(result.tree, what="processes of the example")
+
+
+def test_a_warm_pool_keeps_nccl_ready_and_releases_gpu_memory_between_calls(runs_dir):
+    """Ranks, CUDA contexts and the NCCL group survive the call; the memory a call cached is
+    given back unless keep_memory=True; a function that makes and destroys its own group
+    still works."""
+    import gpufleet
+
+    def hold_a_gib(allocate):
+        import os
+
+        import torch
+        import torch.distributed as dist
+
+        device = runtime.setup()
+        at_start = torch.cuda.memory_reserved(device)
+        if allocate:
+            block = torch.empty(2**30, dtype=torch.uint8, device=device)
+            block.fill_(1)
+        value = torch.ones(1, device=device)
+        dist.all_reduce(value)
+        return {"pid": os.getpid(), "device": torch.cuda.current_device(),
+                "reserved_at_start": at_start, "sum": value.item()}
+
+    def own_group():
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl")
+        value = torch.ones(1, device="cuda")
+        dist.all_reduce(value)
+        dist.destroy_process_group()
+        return value.item()
+
+    fn = distributed(gpus=2, runs_dir=runs_dir, tracking=False, timeout=120)(hold_a_gib)
+    own = distributed(gpus=2, runs_dir=runs_dir, tracking=False, timeout=120)(own_group)
+    gib = 2**30
+    with gpufleet.pool(gpus=2, runs_dir=runs_dir):
+        first = fn.distributed(True)
+        second = fn.distributed(False)
+        assert own.distributed() == [2.0, 2.0] == own.distributed()
+        third = fn.distributed(False)
+    for results in (first, second, third):
+        assert [r["device"] for r in results] == [0, 1]
+        assert [r["sum"] for r in results] == [2.0, 2.0]
+    assert [r["pid"] for r in first] == [r["pid"] for r in second] == [r["pid"] for r in third]
+    assert all(r["reserved_at_start"] < gib for r in second), second
+    assert not [r["pid"] for r in first if psutil.pid_exists(r["pid"])], "the pool's ranks outlived it"
+
+    with gpufleet.pool(gpus=2, runs_dir=runs_dir, keep_memory=True):
+        fn.distributed(True)
+        kept = fn.distributed(False)
+    assert all(r["reserved_at_start"] >= gib for r in kept), kept

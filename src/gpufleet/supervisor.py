@@ -29,6 +29,8 @@ from gpufleet.rundir import RunDir, read_pid
 from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
 
 POLL_SECONDS = 0.05
+QUICK_POLL_SECONDS = 0.005  # the first second of a call: a warm call may be over by then
+QUICK_POLL_FOR_SECONDS = 1.0
 STOP_GRACE_SECONDS = 5.0
 TEARDOWN_SECONDS = 30.0  # for ranks that returned to exit (a rank's own limit is EXIT_GRACE_SECONDS)
 
@@ -168,6 +170,7 @@ class Supervisor:
         """Follow the run until it ends ("done"), or until it must be stopped: "timeout",
         "hang" or "grace" (the grace period after a SIGTERM is over)."""
         hang_timeout = self.options.hang_timeout
+        quick_until = time.monotonic() + QUICK_POLL_FOR_SECONDS
         while self.agent.poll() is None:
             if self.follower.poll():
                 self.monitor.progress()
@@ -188,7 +191,7 @@ class Supervisor:
                 idle = self.monitor.seconds_without_progress()
                 if idle is not None and idle > hang_timeout:
                     return "hang"
-            time.sleep(POLL_SECONDS)
+            time.sleep(POLL_SECONDS if now > quick_until else QUICK_POLL_SECONDS)
         return "done"
 
     def _hand_over_tracking(self) -> None:
