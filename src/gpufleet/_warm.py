@@ -27,8 +27,7 @@ class Baseline:
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
         self.path = list(sys.path)
-        self.cpu_rng = torch.get_rng_state()
-        self.seed = torch.initial_seed()
+        self.cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         self.threads = torch.get_num_threads()
         self.default_dtype = torch.get_default_dtype()
         self.cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
@@ -53,8 +52,10 @@ class Baseline:
         except OSError:  # the folder is gone; the next call starts where it is
             pass
         sys.path[:] = self.path
-        torch.set_rng_state(self.cpu_rng)
-        random.seed()  # a fresh process seeds Python's generator from the OS, and so does this
+        # As in a fresh process: torch's CPU generator and Python's seeded from the OS, the
+        # CUDA generator in its initial state
+        torch.default_generator.seed()
+        random.seed()
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()
@@ -65,7 +66,8 @@ class Baseline:
         if torch.cuda.is_initialized():
             if self.cuda_device is not None:
                 torch.cuda.set_device(self.cuda_device)
-            torch.cuda.manual_seed_all(self.seed)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng)
             torch.cuda.synchronize()
             if release_memory:
                 torch.cuda.empty_cache()
@@ -73,12 +75,14 @@ class Baseline:
 
 
 class WarmGroup:
-    """Makes the pool's default process group outlive each call.
+    """Keeps the pool's default process group alive across calls, as if each call made it.
 
-    While installed, ``init_process_group`` when the warm group exists returns at once (the
-    group it would create, with the same ranks and device, is already there), and
-    ``destroy_process_group()`` of the default group does nothing. Groups a call creates
-    with ``new_group`` are destroyed when the call ends, so communicators do not pile up.
+    Each call starts as a cold rank does, with no default group (``is_initialized()`` is
+    False). ``init_process_group`` (directly, or through ``runtime.setup()``, Accelerate,
+    Lightning, ``init_device_mesh``...) then brings back the warm group instead of making one,
+    whatever backend, timeout or store it names; ``destroy_process_group()`` puts it away
+    again. Groups a call creates with ``new_group`` are destroyed when the call ends, so
+    communicators do not pile up. Everything else is torch's own.
     """
 
     def __init__(self):
@@ -98,20 +102,25 @@ class WarmGroup:
             module.destroy_process_group = self._destroy
 
     def _init(self, *args, **kwargs):
-        if self._dist.is_initialized() and self._dist.group.WORLD is self._group:
-            return None
-        return self._real_init(*args, **kwargs)
+        if self._dist.is_initialized():  # a second init fails, as it would in a cold rank
+            return self._real_init(*args, **kwargs)
+        self._c10d._update_default_pg(self._group)
+        return None
 
     def _destroy(self, group=None):
-        if group is None or group is self._group:
+        if group is self._group or (group is None and self._dist.group.WORLD is self._group):
+            self._c10d._update_default_pg(None)
             return None
         return self._real_destroy(group)
 
     def begin_call(self) -> None:
         self._kept = set(self._groups())
+        self._c10d._update_default_pg(None)
 
     def end_call(self, keep=()) -> None:
-        """Destroy the groups the call created, except those in ``keep`` (gpufleet's own)."""
+        """Destroy the groups the call created, except those in ``keep`` (gpufleet's own),
+        and bring the warm group back."""
+        self._c10d._update_default_pg(self._group)
         for group in self._groups():
             if group not in self._kept and group is not self._group and group not in keep:
                 try:

@@ -57,8 +57,9 @@ def main(run_dir: str) -> None:
     _exit(0 if ok else 1)
 
 
-def _call(run: RunDir, rank: int, body=None) -> bool:
-    """Run one call in ``run`` (its payload, or ``body``) and leave its result there."""
+def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
+    """Run one call in ``run`` (its payload, or ``body``) and leave its result there;
+    ``before_result`` runs just before the result is written."""
     _send_output_to(run.log(rank))
     payload.write_private(run.pid_file(rank), str(os.getpid()).encode())
     _answer_stack_requests(run.stacks(rank))
@@ -70,6 +71,8 @@ def _call(run: RunDir, rank: int, body=None) -> bool:
         outcome = ("error", _result_failure(rank, outcome[1], exc))
         data = payload.dump_result(outcome)
     timings.write_rank(run.timings(rank))
+    if before_result is not None:
+        before_result()
     payload.write_private(run.result(rank), data)
     return outcome[0] == "ok"
 
@@ -92,15 +95,19 @@ def _serve(pool: RunDir, rank: int) -> bool:
             timings.mark("call_received")
             baseline.enter(order["env"])
             group.begin_call()
-            if not _call(RunDir(Path(order["run"])), rank):
+            # before the result: the caller may edit a module as soon as the call returns
+            modules = (lambda: _record_modules(pool)) if rank == 0 else None
+            if not _call(RunDir(Path(order["run"])), rank, before_result=modules):
                 return False
             group.end_call(keep=runtime._own_groups())
             _send_output_to(pool.log(rank))
             _answer_stack_requests(pool.stacks(rank))
             baseline.restore(release_memory)
-            if rank == 0:
-                payload.write_private(pool.modules, json.dumps(_warm.user_modules()).encode())
     return True
+
+
+def _record_modules(pool: RunDir) -> None:
+    payload.write_private(pool.modules, json.dumps(_warm.user_modules()).encode())
 
 
 def _warm_up(run: RunDir) -> None:

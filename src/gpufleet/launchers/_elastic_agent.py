@@ -63,6 +63,7 @@ def _launch(run: RunDir, nprocs: int) -> dict:
 
     try:
         _register_loopback_rendezvous()
+        _plain_tracebacks()
         elastic_launch(_config(run, nprocs), _worker.main)(str(run.path))
     except ChildFailedError as exc:
         return {"state": "failed", "failures": _failures(exc)}
@@ -95,6 +96,23 @@ def _config(run: RunDir, nprocs: int):
     # torch>=2.4 is supported: leave out what this version's LaunchConfig does not have yet.
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
     return LaunchConfig(**{k: v for k, v in options.items() if k in known})
+
+
+def _plain_tracebacks() -> None:
+    """Elastic logs a rank's failure with its traceback; torch's log formatter imports
+    torch._dynamo (and sympy) to format any traceback, seconds that would delay every
+    failure report. The traceback is formatted plainly instead."""
+    import logging
+
+    class PlainTraceback(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.exc_info:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+                record.exc_info = None
+            return True
+
+    # the logger that reports a failed rank (a logger's filter sees the records made there)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(PlainTraceback())
 
 
 def _register_loopback_rendezvous() -> None:
