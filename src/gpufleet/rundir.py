@@ -63,6 +63,10 @@ class RunDir:
         """When rank N passed each instant of its start-up and run (``timings.py``)."""
         return self.path / "timings" / f"rank-{rank}.json"
 
+    @property
+    def agent_timings(self) -> Path:
+        return self.path / "timings" / "agent.json"
+
     def stacks(self, rank: int) -> Path:
         """Where the rank's Python stacks go when gpufleet asks for them (a hang)."""
         return self.path / "stacks" / f"rank-{rank}.txt"

@@ -24,7 +24,9 @@ PHASES = (
     ("call", ""),
     ("attempt_started", "checks and payload in the caller"),
     ("pool_ready", "start the warm pool's ranks"),
-    ("ranks_started", "start the agent and the rank processes"),
+    ("agent_started", "start the agent process"),
+    ("launcher_ready", "import torch (agent and rank template, side by side)"),
+    ("ranks_started", "rendezvous; fork the ranks from the template"),
     ("call_received", "hand the call to the warm ranks"),
     ("payload_loaded", "interpreter, imports and payload"),
     ("tracking_joined", "waiting for the call's MLflow run"),
@@ -118,7 +120,8 @@ class Timings:
 
 
 def write_rank(path: Path) -> None:
-    """This rank's stamps, for the caller to gather (private, like the whole run folder)."""
+    """This rank's (or the agent's) stamps, for the caller to gather (private, like the
+    whole run folder)."""
     write_private(path, json.dumps(stamps()).encode())
 
 
@@ -130,6 +133,10 @@ def gather(run_dir: Path, caller: dict[str, float], world_size: int) -> Timings:
             ranks[rank] = json.loads(RunDir(run_dir).timings(rank).read_text())
         except (OSError, ValueError):
             pass
+    try:  # the agent's instants (a cold run's), counted with the caller's
+        caller = {**json.loads(RunDir(run_dir).agent_timings.read_text()), **caller}
+    except (OSError, ValueError):
+        pass
     found = Timings(caller=caller, ranks=ranks)
     write_private(run_dir / "timings.json", json.dumps(found.as_json(), indent=1).encode())
     return found

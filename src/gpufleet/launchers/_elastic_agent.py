@@ -20,7 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from gpufleet import _environ, _process, _worker
+from gpufleet import _environ, _process, _worker, timings
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
@@ -32,6 +32,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def main(argv: list[str]) -> None:
+    timings.mark("agent_started", timings.process_started())
     run = RunDir(Path(argv[1]))
     _process.die_with_parent(signal.SIGTERM, _environ.parent_pid())
     spec = json.loads((run.path / "launch.json").read_text())
@@ -64,6 +65,8 @@ def _launch(run: RunDir, nprocs: int) -> dict:
     try:
         _register_loopback_rendezvous()
         _plain_tracebacks()
+        timings.mark("launcher_ready")
+        timings.write_rank(run.agent_timings)
         elastic_launch(_config(run, nprocs), _worker.main)(str(run.path))
     except ChildFailedError as exc:
         return {"state": "failed", "failures": _failures(exc)}
