@@ -55,8 +55,10 @@ def _planted_run(tmp_path, marker):
 
 
 def _start_rank(run):
+    """A rank's entry run by hand on the folder, as the agent's template would run it."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    cmd = [sys.executable, "-m", "gpufleet._worker", str(run.path)]
+    cmd = [sys.executable, "-c", "import sys; from gpufleet import _worker; _worker.main(sys.argv[1])",
+           str(run.path)]
     return subprocess.run(cmd, env=env, timeout=60)
 
 
@@ -97,7 +99,8 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
 
         runtime.setup(timeout=30)
         dist.barrier()  # every rank's sockets are up
-        agent = psutil.Process(os.getppid())
+        agent = next(p for p in psutil.Process().parents()
+                     if any("_elastic_agent" in part for part in p.cmdline()))
         processes = [agent, *agent.children(recursive=True)]
         addresses = {
             conn.laddr.ip

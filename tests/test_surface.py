@@ -8,9 +8,9 @@ from gpufleet import data, runtime
 
 def test_top_level_names():
     assert sorted(gpufleet.__all__) == [
-        "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "RankFailure",
-        "RunFailedError", "RunHangError", "RunPreemptedError", "RunTimeoutError", "distributed",
-        "log_metrics", "runtime",
+        "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "Pool",
+        "RankFailure", "RunFailedError", "RunHangError", "RunPreemptedError", "RunTimeoutError",
+        "distributed", "log_metrics", "pool", "runtime",
     ]
 
 
@@ -19,7 +19,7 @@ def test_decorator_options():
 
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
-                              "show_timings", "tracking"]
+                              "show_timings", "tracking", "warm"]
 
 
 def test_runtime_functions():

@@ -36,10 +36,11 @@ def test_every_phase_of_a_call_is_timed_and_printed_on_request(runs_dir, capfd):
     timings = Timings.read(all_reduce_once.last_run)
     phases = dict(timings.phases())
 
-    for phase in ("checks and payload in the caller",
-                  "start the agent and the rank processes", "interpreter, imports and payload",
+    for phase in ("checks and payload in the caller", "start the agent process",
+                  "import torch (agent and rank template, side by side)",
+                  "rendezvous; fork the ranks from the template", "interpreter, imports and payload",
                   "user code before runtime.setup()", "rendezvous and process group",
-                  "user function", "rank exits and the agent's teardown", "read the results"):
+                  "user function", "results written", "read the results"):
         assert phase in phases, f"{phase!r} missing from {sorted(phases)}"
         assert phase in printed, printed
     assert "total" in printed

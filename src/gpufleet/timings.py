@@ -98,9 +98,14 @@ class Timings:
         (no runtime.setup(), no CUDA); the seconds add up to the call's wall time."""
         at = self.instants()
         passed = [(name, label) for name, label in PHASES if name in at]
-        out = []
-        for (before, _), (name, label) in zip(passed, passed[1:]):
-            out.append((label, max(0.0, at[name] - at[before])))
+        out, reached = [], None
+        for name, label in passed:
+            # process start times from /proc have a clock tick's resolution: an instant
+            # that seems to come before the one it follows counts as no time at all
+            now = at[name] if reached is None else max(reached, at[name])
+            if reached is not None:
+                out.append((label, now - reached))
+            reached = now
         return out
 
     def total(self) -> float:
