@@ -6,6 +6,7 @@ in its own process, ``_elastic_agent``; docs/design.md says why.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -62,13 +63,20 @@ def plan(
 def _flight_recorder(env: dict[str, str], prefix: str) -> None:
     """PyTorch's NCCL flight recorder on (the last collectives of each rank, kept in memory),
     dumped into the run folder when a collective times out or when gpufleet asks through the
-    per-rank pipe after a hang. Both the current and the older variable names are set; a
-    user's own setting wins."""
-    if "TORCH_FR_BUFFER_SIZE" not in env:
-        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+    per-rank pipe after a hang. The dump file variables are set under both the current and the
+    older names; a user's own setting wins."""
+    if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        # newer torch reads TORCH_FR_BUFFER_SIZE and warns on every rank about the old name
+        name = "TORCH_FR_BUFFER_SIZE" if _torch_version() >= (2, 8) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+        env[name] = str(FLIGHT_RECORDER_ENTRIES)
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"):
         env.setdefault(name, prefix)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = importlib.metadata.version("torch").split(".")[:2]
+    return int(major), int(minor)
 
 
 def launch(launch_plan: LaunchPlan, run: RunDir) -> subprocess.Popen:
