@@ -106,7 +106,8 @@ def test_trl_ddp_lora_saves_an_adapter_and_logs_into_gpufleets_mlflow_run(
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 30)
 def test_trl_fsdp2_shards_gpt_oss_and_saves_a_lora_adapter_with_expert_weights(
         run_script, tmp_path, request):
-    stdout, out = run_example("trl_sft_fsdp.py", run_script, tmp_path, request)
+    stdout, out = run_example("trl_sft_fsdp.py", run_script, tmp_path, request,
+                              "--report-to", "none")  # MLflow: tested with DDP
 
     check_training(stdout, out, "FSDP")
     assert "FSDP2 units: GptOssDecoderLayer; parameters sharded on every rank: True" in stdout
@@ -120,7 +121,7 @@ def test_trl_deepspeed_zero3_full_fine_tune_evaluates_checkpoints_and_saves_the_
         run_script, tmp_path, request):
     pytest.importorskip("deepspeed")
     stdout, out = run_example("trl_sft_deepspeed.py", run_script, tmp_path, request,
-                              "--eval-steps", "10")
+                              "--eval-steps", "10", "--report-to", "none")
 
     check_training(stdout, out, "DEEPSPEED")
     assert "ZeRO stage 3, parameters partitioned on every rank: True" in stdout, stdout

@@ -1,0 +1,241 @@
+"""What the Hugging Face fine-tuning examples share: their command line, the model and data
+they start from (a real checkpoint and data set, or `--tiny` stand-ins from tiny.py), what each
+rank returns, and the check after training that the saved output loads and generates.
+
+The examples import this module in the caller and, inside their `@distributed` functions, in
+the ranks (gpufleet gives the ranks the caller's import path).
+"""
+
+import argparse
+import importlib.util
+import math
+import os
+import time
+from pathlib import Path
+
+# Neither MLflow nor the Hugging Face hub may phone home from the ranks (they may have no
+# network at all); @distributed(env=NO_TELEMETRY) sets these in every rank.
+NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
+                "HF_HUB_DISABLE_TELEMETRY": "1"}
+PROMPT = "What is 7 plus 5?"  # the question the saved model answers after training
+NEW_TOKENS = 8
+
+
+def command_line(doc: str, *, model: str, output_dir: str, max_steps: int, tiny_steps: int,
+                 learning_rate: float, tiny_learning_rate: float, max_length: int = 1024,
+                 tiny_max_length: int | None = None) -> argparse.ArgumentParser:
+    """The options every example has; an example adds its own before `parse(parser)`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--model", default=model,
+                        help=f"hub name or local folder of the checkpoint (default: {model})")
+    parser.add_argument("--dataset", default=None,
+                        help="chat data set with a `messages` column: a .jsonl/.json/.parquet "
+                             "file, a `save_to_disk` folder, or a hub name")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a random model of the same architecture and a generated chat data "
+                             "set, built here: no download, runs on CPU")
+    parser.add_argument("--output-dir", default=output_dir,
+                        help=f"where the trained model goes (default: ./{output_dir})")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help=f"optimizer steps (default: {max_steps}; --tiny: {tiny_steps})")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help=f"peak learning rate (default: {learning_rate:g}; --tiny: "
+                             f"{tiny_learning_rate:g}, for weights that start random)")
+    tiny_max_length = tiny_max_length or max_length
+    parser.add_argument("--max-length", type=int, default=None,
+                        help=f"tokens per sequence (default: {max_length}; --tiny: "
+                             f"{tiny_max_length}); longer examples are truncated")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="processes, one per GPU (default: every GPU; 2 CPU processes without)")
+    parser.add_argument("--report-to", default=default_report_to(),
+                        help="Trainer's report_to (default: mlflow when installed: it logs into "
+                             "the MLflow run gpufleet creates for the call)")
+    parser.set_defaults(full_max_steps=max_steps, tiny_max_steps=tiny_steps,
+                        full_learning_rate=learning_rate, tiny_learning_rate=tiny_learning_rate,
+                        full_max_length=max_length, tiny_max_length=tiny_max_length)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, architecture: str) -> argparse.Namespace:
+    """Parse the command line; with --tiny, build the stand-ins under OUTPUT_DIR/tiny and
+    point --model and --dataset at them. Paths become absolute: the ranks get them as they are."""
+    args = parser.parse_args()
+    for name in ("max_steps", "learning_rate", "max_length"):  # unset: the mode's default
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(args, ("tiny_" if args.tiny else "full_") + name))
+    args.output_dir = str(Path(args.output_dir).resolve())
+    if args.tiny:
+        import tiny
+
+        args.model, args.dataset = tiny.build(architecture, Path(args.output_dir) / "tiny")
+    elif args.dataset is None:
+        parser.error("--dataset is needed (or --tiny for a generated one)")
+    for name in ("model", "dataset"):  # local paths absolute; hub names as they are
+        if Path(getattr(args, name)).exists():
+            setattr(args, name, str(Path(getattr(args, name)).resolve()))
+    return args
+
+
+def default_report_to() -> str:
+    return "mlflow" if importlib.util.find_spec("mlflow") is not None else "none"
+
+
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_chat_dataset(path: str, eval_fraction: float = 0.0, seed: int = 0):
+    """The data set at `path` (see --dataset); with eval_fraction, a (train, eval) split of
+    it, the same on every rank."""
+    from datasets import load_dataset, load_from_disk
+
+    source = Path(path)
+    if source.is_dir() and (source / "dataset_info.json").exists():
+        dataset = load_from_disk(path)
+    elif source.is_file():
+        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}[source.suffix]
+        dataset = load_dataset(kind, data_files=path, split="train")
+    else:
+        dataset = load_dataset(path, split="train")
+    if not eval_fraction:
+        return dataset
+    split = dataset.train_test_split(test_size=eval_fraction, seed=seed)
+    return split["train"], split["test"]
+
+
+def model_options(model: str) -> dict:
+    """`from_pretrained` keywords for `model`: bf16 on GPU (fp32 on CPU, where bf16 matrix
+    products are slow); for GPT-OSS, eager attention (its attention sinks are not in SDPA)
+    and its MXFP4 expert weights dequantized to bf16, since LoRA trains on unquantized ones."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    options = {"dtype": torch.bfloat16 if on_gpu() else torch.float32, "use_cache": False}
+    if config.model_type == "gpt_oss":
+        options["attn_implementation"] = "eager"
+        quantization = getattr(config, "quantization_config", None) or {}
+        if quantization.get("quant_method") == "mxfp4":
+            from transformers import Mxfp4Config
+
+            options["quantization_config"] = Mxfp4Config(dequantize=True)
+    return options
+
+
+def precision() -> dict:
+    """TrainingArguments keywords for this machine: bf16 on GPU; fp32 on CPU (TRL's default is
+    bf16, which CPUs without bf16 units emulate slowly), with gloo for the process group."""
+    return {"bf16": True} if on_gpu() else {"bf16": False, "use_cpu": True}
+
+
+# Accelerate, which the Trainer runs on, turns FSDP and DeepSpeed on only for accelerators:
+# without a GPU the Trainer quietly falls back to DDP (FSDP), or counts one process per world
+# (DeepSpeed). fsdp_on_cpu() and deepspeed_precision() let a CPU run (a laptop, CI) shard with
+# gloo as the GPU run does, so it tests the same code path. On GPUs they change nothing.
+
+def fsdp_on_cpu() -> None:
+    """Call after the training arguments are made (they set up Accelerate's process state)
+    and before the Trainer."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState()
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        # The type Accelerate checks before it takes the FSDP plugin; the device stays the CPU
+        # (set already) and the process group gloo (created already).
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
+def deepspeed_precision() -> dict:
+    """precision() for DeepSpeed: bf16 on GPU. On CPU fp32, and Accelerate's process state set
+    up for DeepSpeed over gloo, which the training arguments then use as it is: call it in
+    their keywords (`SFTConfig(..., **deepspeed_precision())`), so that it runs before them."""
+    if on_gpu():
+        return {"bf16": True}
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch` would export
+    state = PartialState()  # DeepSpeed's CPU accelerator starts the gloo process group
+    # Accelerate takes the missing CUDA backend for a world of one process: correct the count.
+    state.backend = dist.get_backend()
+    state.num_processes, state.process_index = dist.get_world_size(), dist.get_rank()
+    state.local_process_index = int(os.environ["LOCAL_RANK"])
+    return {"bf16": False, "accelerator_config": {"use_configured_state": True}}
+
+
+def sharded_parameters(model) -> bool:
+    """True when FSDP2 holds the model's parameters as shards (DTensors) on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in model.parameters())
+
+
+def logged_losses(log_history: list[dict]) -> list[tuple[int, float]]:
+    """(step, training loss) as the Trainer logged it: the mean over every rank since the
+    previous log, so the same list on every rank."""
+    return [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry]
+
+
+def begin() -> dict:
+    """Called first thing in a rank: the clock and the MLflow run, read before the Trainer's
+    MLflow callback ends the run at the end of training (which also clears MLFLOW_RUN_ID)."""
+    return {"started": time.monotonic(), "mlflow_run": os.environ.get("MLFLOW_RUN_ID")}
+
+
+def rank_result(begun: dict, trainer, **extra) -> dict:
+    """What each rank returns: its status, the loss at the start and the end, where the model
+    went, the world the Trainer trained in, the MLflow run it logged into (None when
+    untracked) and its time in seconds."""
+    from gpufleet import runtime
+
+    losses = logged_losses(trainer.state.log_history)
+    return {"rank": runtime.get_global_rank(), "status": "ok",
+            "first_loss": losses[0][1] if losses else math.nan,
+            "final_loss": losses[-1][1] if losses else math.nan, "losses": losses,
+            "output_dir": trainer.args.output_dir, "world_size": trainer.args.world_size,
+            "strategy": str(trainer.accelerator.distributed_type).split(".")[-1],
+            "mlflow_run": begun["mlflow_run"],
+            "seconds": round(time.monotonic() - begun["started"], 1), **extra}
+
+
+def generate(output_dir: str, prompt: str = PROMPT, new_tokens: int = NEW_TOKENS) -> str:
+    """Load what training saved in output_dir (a whole model, or a LoRA adapter on top of the
+    base model it names) and answer `prompt` greedily. Runs in the caller, after the ranks."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    options = {"dtype": torch.bfloat16, "device_map": "auto"} if on_gpu() else {}
+    if (Path(output_dir) / "adapter_config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(output_dir, **options)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(output_dir, **options)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True).to(model.device)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
+
+
+def summarize(results: list[dict], elapsed: float) -> None:
+    """Print each rank's result, check that training did what it should, then load the saved
+    output and generate from it. Exits non-zero (AssertionError) otherwise."""
+    for r in results:
+        print(f"rank {r['rank']}: status {r['status']}, loss {r['first_loss']:.4f} -> "
+              f"{r['final_loss']:.4f}, output {r['output_dir']}, mlflow run {r['mlflow_run']}")
+    first = results[0]
+    print(f"{len(results)} ranks ({first['strategy']}, world of {first['world_size']}), "
+          f"{len(first['losses'])} logged steps, final loss {first['final_loss']:.4f}, "
+          f"{elapsed:.1f} s")
+    assert [r["rank"] for r in results] == list(range(len(results))), results
+    assert all(r["status"] == "ok" and r["world_size"] == len(results) for r in results), results
+    assert first["final_loss"] < first["first_loss"], f"the loss did not fall: {first['losses']}"
+    text = generate(first["output_dir"])
+    print(f"generated from {first['output_dir']}: {PROMPT!r} -> {text!r}")

@@ -1,0 +1,113 @@
+"""Fine-tune GPT-OSS 120B with LoRA and TRL's SFTTrainer, sharded with FSDP2 over every GPU here.
+
+    python examples/hf/trl_sft_fsdp.py --dataset chats.jsonl       # openai/gpt-oss-120b, every GPU
+    python examples/hf/trl_sft_fsdp.py --model /models/gpt-oss-120b --dataset chats.jsonl --gpus 8
+    python examples/hf/trl_sft_fsdp.py --tiny          # a random GPT-OSS-shaped model: CPU, ~25 s
+
+At bf16 the 120B model is about 230 GB: more than one GPU holds, so it is sharded. The Trainer
+gets FSDP through its own `fsdp` / `fsdp_config` arguments (version 2: `fully_shard`); the unit
+of sharding is the model's decoder layer, whose class is read off the model (built on the meta
+device) rather than written down, so the same code shards any architecture. Each layer's
+parameters are gathered for its forward and backward and freed after
+(`reshard_after_forward`), activations are recomputed in the backward pass (non-reentrant
+activation checkpointing), compute is bf16 on GPU. Only local rank 0 reads the checkpoint from
+disk (`cpu_ram_efficient_loading`); the others get their shards from it, so host memory holds
+one copy of the weights rather than one per GPU.
+
+LoRA with r=32 and alpha 64 goes on the attention projections and, through PEFT's
+`target_parameters`, on the experts' weights (`gate_up_proj`, `down_proj`: tensors of every
+expert, not linear layers), so the mixture of experts adapts as well. The adapter is gathered
+from the shards and saved by rank 0 (`FULL_STATE_DICT`); the script then loads it on top of the
+base model and generates a few tokens. With MLflow installed the Trainer's metrics go into the
+MLflow run gpufleet creates for the call. `--tiny` builds a two-layer GPT-OSS
+mixture-of-experts model with a locally trained tokenizer and a generated chat data set (see
+tiny.py). Needs `pip install -e ".[hf]"`.
+"""
+
+import time
+
+from gpufleet import distributed
+
+import recipe
+
+LORA = dict(r=32, lora_alpha=64, lora_dropout=0.0, task_type="CAUSAL_LM",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+# What `accelerate launch --use_fsdp` would export: with them, from_pretrained reads the weights
+# on local rank 0 only and leaves the other ranks' models empty (meta) until FSDP hands out shards.
+FSDP_LOADING = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+
+
+def decoder_layer_class(model_path: str) -> str:
+    """The class name of the model's repeated decoder layer, FSDP's unit of sharding, read off
+    the model built on the meta device (no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return type(model.get_decoder().layers[0]).__name__
+
+
+@distributed(env={**recipe.NO_TELEMETRY, **FSDP_LOADING})
+def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
+          learning_rate: float, max_length: int, report_to: str) -> dict:
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    begun = recipe.begin()
+    layer = decoder_layer_class(model_path)
+    config = SFTConfig(  # first: it starts the process group that from_pretrained's loading needs
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.03,
+        fsdp=True,
+        fsdp_config={
+            "version": 2,
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "transformer_layer_cls_to_wrap": [layer],
+            "reshard_after_forward": True,
+            "cpu_ram_efficient_loading": True,
+            "state_dict_type": "FULL_STATE_DICT",  # save_model() gathers the adapter on rank 0
+        },
+        # Activation checkpointing by the model's own layers rather than fsdp_config's: FSDP's
+        # wrapper renames every layer's modules, and PEFT 0.21, which finds the adapter's
+        # weights by module name, would then save an empty adapter.
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        max_length=max_length,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=report_to,
+        **recipe.precision(),
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_path, **recipe.model_options(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    recipe.fsdp_on_cpu()
+    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
+                         train_dataset=recipe.load_chat_dataset(dataset_path),
+                         peft_config=LoraConfig(**LORA))
+    trainer.train()
+    trainer.save_model()  # every rank takes part in the gather; rank 0 writes
+    return recipe.rank_result(begun, trainer, decoder_layer=layer,
+                              sharded=recipe.sharded_parameters(trainer.model))
+
+
+if __name__ == "__main__":
+    parser = recipe.command_line(__doc__, model="openai/gpt-oss-120b", output_dir="trl_sft_fsdp",
+                                 max_steps=100, tiny_steps=30, learning_rate=2e-4,
+                                 tiny_learning_rate=3e-3)
+    args = recipe.parse(parser, "gpt_oss")
+    started = time.monotonic()
+    results = train.options(gpus=args.gpus).distributed(
+        args.model, args.dataset, args.output_dir, args.max_steps, args.learning_rate,
+        args.max_length, args.report_to)
+    print(f"FSDP2 units: {results[0]['decoder_layer']}; parameters sharded on every rank: "
+          f"{all(r['sharded'] for r in results)}")
+    assert all(r["sharded"] for r in results), "the Trainer did not shard the model with FSDP"
+    recipe.summarize(results, time.monotonic() - started)

@@ -1,0 +1,86 @@
+"""Fine-tune Llama 3.2 3B with Unsloth's FastLanguageModel and LoRA, one DDP process per GPU here.
+
+    python examples/hf/unsloth_ddp.py --dataset chats.jsonl    # unsloth/Llama-3.2-3B-Instruct
+    python examples/hf/unsloth_ddp.py --model /models/llama-3.2-3b --dataset chats.jsonl --gpus 8
+    python examples/hf/unsloth_ddp.py --tiny      # a random Llama-shaped model
+
+Unsloth loads the model with its own fused kernels (RoPE, RMSNorm, cross-entropy) and patches
+TRL's SFTTrainer, so it is imported before transformers and TRL in each rank. Each rank loads
+the whole model in bf16 onto its own GPU (`device_map` by LOCAL_RANK, which gpufleet sets) and the
+Trainer wraps it in DDP. LoRA with r=16 goes on every attention and MLP projection. Unsloth's
+default gradient checkpointing ("unsloth", which offloads activations to the CPU) is
+reentrant, which DDP does not support: DDP needs the standard non-reentrant checkpointing
+(`use_reentrant=False`). Every adapter is used every step, so DDP need not look for unused
+parameters. Rank 0 saves the
+adapter; the script loads it on the base model and generates a few tokens. With MLflow
+installed the Trainer's metrics go into the MLflow run gpufleet creates for the call.
+
+Needs `pip install unsloth` (which pins its own versions of transformers, TRL and datasets) and
+NVIDIA GPUs. On a machine without them Unsloth trains on the CPU with its fallback (slowly, and
+without its kernels). `--tiny` builds a two-layer Llama with a locally trained tokenizer and a
+generated chat data set (see tiny.py). examples/hf/README.md says what ran where.
+"""
+
+import time
+
+from gpufleet import distributed, runtime
+
+import recipe
+
+LORA = dict(r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                            "down_proj"])
+
+
+@distributed(env={**recipe.NO_TELEMETRY, "UNSLOTH_DISABLE_STATISTICS": "1"})
+def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
+          learning_rate: float, max_length: int, report_to: str) -> dict:
+    from unsloth import FastLanguageModel  # first: it patches transformers and TRL on import
+
+    from trl import SFTConfig, SFTTrainer
+
+    begun = recipe.begin()
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=model_path,
+        max_seq_length=max_length,
+        dtype=None,  # bf16 where the GPU has it
+        load_in_4bit=False,  # 16-bit LoRA: the 3B model fits every GPU whole
+        device_map={"": runtime.get_local_rank()} if recipe.on_gpu() else "cpu",
+    )
+    model = FastLanguageModel.get_peft_model(model, **LORA, use_gradient_checkpointing=True,
+                                             random_state=0)
+    config = SFTConfig(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0.05,
+        optim="adamw_torch",
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        ddp_find_unused_parameters=False,
+        max_length=max_length,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=report_to,
+        **recipe.precision(),
+    )
+    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
+                         train_dataset=recipe.load_chat_dataset(dataset_path))
+    trainer.train()
+    trainer.save_model()  # rank 0 writes the adapter and the tokenizer
+    return recipe.rank_result(begun, trainer)
+
+
+if __name__ == "__main__":
+    parser = recipe.command_line(__doc__, model="unsloth/Llama-3.2-3B-Instruct",
+                                 output_dir="unsloth_ddp", max_steps=60, tiny_steps=30,
+                                 learning_rate=2e-4, tiny_learning_rate=3e-3)
+    args = recipe.parse(parser, "llama")
+    started = time.monotonic()
+    results = train.options(gpus=args.gpus).distributed(
+        args.model, args.dataset, args.output_dir, args.max_steps, args.learning_rate,
+        args.max_length, args.report_to)
+    recipe.summarize(results, time.monotonic() - started)
