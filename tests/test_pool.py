@@ -605,3 +605,97 @@ def test_an_interrupted_call_leaves_the_pool_usable_on_fresh_ranks(run_script, r
     assert set(pids_of(data["after"])).isdisjoint(pids_of(data["before"]))
     assert_pids_gone(pids_of(data["before"]) + pids_of(data["after"]))
     assert_all_gone(result.tree, what="processes of the interrupted pool script")
+
+
+# ---------------------------------------------------------------------------- what a pool must survive
+
+
+@pytest.mark.timeout(120)
+def test_the_ranks_of_a_pool_whose_agent_is_killed_do_not_outlive_it(runs_dir):
+    """An idle pool's launcher killed (the OOM killer, a stray kill -9): its rank processes
+    and the process they were forked from end with it, holding no GPU."""
+
+    @distributed(gpus=WORLD, runs_dir=runs_dir, tracking=False, timeout=CALL_TIMEOUT)
+    def where():
+        import os
+
+        return os.getpid()
+
+    with gpufleet.pool(gpus=WORLD, runs_dir=runs_dir):
+        ranks = where.distributed()
+        template = psutil.Process(ranks[0]).parent()
+        agent = template.parent()
+        assert "_elastic_agent" in " ".join(agent.cmdline()), agent.cmdline()
+        agent.kill()
+        assert_pids_gone([*ranks, template.pid], grace=5.0)
+        again = where.distributed()  # the next call starts the ranks again
+    assert set(again).isdisjoint(ranks)
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_call_runs_in_the_callers_current_folder(runs_dir, tmp_path, monkeypatch):
+    @distributed(gpus=WORLD, runs_dir=runs_dir, tracking=False, timeout=CALL_TIMEOUT)
+    def folder():
+        import os
+
+        return os.getcwd()
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    with gpufleet.pool(gpus=WORLD, runs_dir=runs_dir):
+        monkeypatch.chdir(first)
+        in_first = folder.distributed()
+        monkeypatch.chdir(second)
+        in_second = folder.distributed()
+    assert in_first == [str(first)] * WORLD and in_second == [str(second)] * WORLD
+
+
+@pytest.mark.timeout(120)
+def test_a_device_mesh_made_by_the_function_uses_the_warm_group_and_can_be_destroyed(runs_dir):
+    @distributed(gpus=WORLD, runs_dir=runs_dir, tracking=False, timeout=CALL_TIMEOUT)
+    def mesh_all_reduce():
+        import os
+
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (runtime.get_world_size(),))
+        value = torch.ones(1)
+        dist.all_reduce(value, group=mesh.get_group())
+        dist.destroy_process_group()
+        return value.item(), os.getpid()
+
+    with gpufleet.pool(gpus=WORLD, runs_dir=runs_dir):
+        first = mesh_all_reduce.distributed()
+        second = mesh_all_reduce.distributed()
+    assert [v for v, _ in first + second] == [2.0] * (2 * WORLD)
+    assert [p for _, p in first] == [p for _, p in second], "the pool started again"
+
+
+@pytest.mark.timeout(120)
+def test_a_variable_read_when_ranks_start_starts_them_again_when_it_changes(runs_dir):
+    @distributed(gpus=WORLD, runs_dir=runs_dir, tracking=False, timeout=CALL_TIMEOUT)
+    def seen():
+        import os
+
+        return os.environ.get("GLOO_SOCKET_TIMEOUT_FOR_TEST"), os.getpid()
+
+    with gpufleet.pool(gpus=WORLD, runs_dir=runs_dir):
+        before = seen.distributed()
+        after = seen.options(env={"GLOO_SOCKET_TIMEOUT_FOR_TEST": "30"}).distributed()
+    assert [v for v, _ in after] == ["30"] * WORLD
+    assert {p for _, p in before}.isdisjoint(p for _, p in after)
+
+
+@pytest.mark.timeout(120)
+def test_cold_ranks_draw_different_random_numbers(runs_dir):
+    @distributed(gpus=WORLD, runs_dir=runs_dir, tracking=False, timeout=CALL_TIMEOUT)
+    def draw():
+        import torch
+
+        return torch.initial_seed()
+
+    seeds = draw.distributed()
+    assert len(set(seeds)) == WORLD, "every rank started from the same random state"

@@ -38,7 +38,7 @@ def test_every_phase_of_a_call_is_timed_and_printed_on_request(runs_dir, capfd):
 
     for phase in ("checks and payload in the caller", "start the agent process",
                   "import torch (agent and rank template, side by side)",
-                  "rendezvous; fork the ranks from the template", "interpreter, imports and payload",
+                  "rendezvous and start the rank processes", "interpreter, imports and payload",
                   "user code before runtime.setup()", "rendezvous and process group",
                   "user function", "results written", "read the results"):
         assert phase in phases, f"{phase!r} missing from {sorted(phases)}"

@@ -15,7 +15,7 @@ rank's result or a precise error.
 from gpufleet import runtime
 from gpufleet.tracking import log_metrics
 from gpufleet.api import DistributedFunction, distributed
-from gpufleet.pool import Pool, pool
+from gpufleet.pools import Pool, pool
 from gpufleet.errors import (
     ConfigError,
     GpufleetError,

@@ -12,6 +12,7 @@ docs/design.md ("Warm pool") lists what is reset and what is not.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import sys
@@ -32,21 +33,23 @@ class Baseline:
         self.default_dtype = torch.get_default_dtype()
         self.cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
-    def enter(self, changes: Mapping[str, str | None]) -> None:
+    def enter(self, changes: Mapping[str, str | None], cwd: str) -> None:
         """Apply a call's environment: the caller's variables that changed since the pool
-        started (None: unset) and the call's ``env`` option."""
-        for name, value in changes.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        started (None: unset) and the call's ``env`` option; and the caller's working folder
+        at the time of the call."""
+        _apply(changes)
+        try:
+            os.chdir(cwd)
+        except OSError:  # a folder only the caller's machine has: stay where the pool started
+            pass
 
     def restore(self, release_memory: bool) -> None:
         """Undo what a call changed in this process; free the GPU memory it cached."""
         import torch
 
-        os.environ.clear()
-        os.environ.update(self.environ)
+        # only what differs: a thread of the call may still read the environment
+        _apply({name: None for name in os.environ if name not in self.environ})
+        _apply({name: value for name, value in self.environ.items() if os.environ.get(name) != value})
         try:
             os.chdir(self.cwd)
         except OSError:  # the folder is gone; the next call starts where it is
@@ -97,9 +100,16 @@ class WarmGroup:
         self._kept: set = set()
 
     def install(self) -> None:
-        for module in (self._dist, self._c10d):
-            module.init_process_group = self._init
-            module.destroy_process_group = self._destroy
+        """Replace the two functions wherever torch holds them: ``torch.distributed``, and
+        every module that imported them by name (``init_device_mesh``'s module does)."""
+        swaps = {self._real_init: self._init, self._real_destroy: self._destroy}
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == "torch" or name.startswith("torch.")):
+                continue
+            for attribute in ("init_process_group", "destroy_process_group"):
+                current = getattr(module, attribute, None)
+                if current in swaps:
+                    setattr(module, attribute, swaps[current])
 
     def _init(self, *args, **kwargs):
         if self._dist.is_initialized():  # a second init fails, as it would in a cold rank
@@ -119,7 +129,10 @@ class WarmGroup:
 
     def end_call(self, keep=()) -> None:
         """Destroy the groups the call created, except those in ``keep`` (gpufleet's own),
-        and bring the warm group back."""
+        and bring the warm group back; raise if the call destroyed it (through a function
+        torch did not route here)."""
+        if self._group not in self._groups():
+            raise RuntimeError("the call destroyed the warm process group")
         self._c10d._update_default_pg(self._group)
         for group in self._groups():
             if group not in self._kept and group is not self._group and group not in keep:
@@ -133,7 +146,28 @@ class WarmGroup:
         return list(getattr(world, "pg_map", {}).keys()) if world is not None else []
 
 
-def user_modules() -> dict[str, float]:
+class ModuleFiles:
+    """The user modules this rank has imported, with the modification time each file had
+    when first seen: a file changed later (even while a call ran) shows as changed."""
+
+    def __init__(self):
+        self._first_seen: dict[str, float] = {}
+
+    def seen(self) -> bytes:
+        for path, mtime in _user_modules().items():
+            self._first_seen.setdefault(path, mtime)
+        return json.dumps(self._first_seen).encode()
+
+
+def _apply(changes: Mapping[str, str | None]) -> None:
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _user_modules() -> dict[str, float]:
     """The source files of imported modules outside the installed packages, with their
     modification times."""
     installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__),

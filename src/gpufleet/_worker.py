@@ -47,6 +47,7 @@ def main(run_dir: str) -> None:
     _process.die_with_parent(signal.SIGKILL, None)
     if not _process.alive(_environ.parent_pid()):
         os._exit(1)
+    _leave_the_template()
     sys.argv = [__file__, run_dir]
     run = RunDir(Path(run_dir))
     rank = _environ.rank()
@@ -55,6 +56,23 @@ def main(run_dir: str) -> None:
         os.umask(umask)
     ok = _serve(run, rank) if _environ.pool_mode() else _call(run, rank)
     _exit(0 if ok else 1)
+
+
+def _leave_the_template() -> None:
+    """What a fork inherits from the template but a rank must not share with it: the
+    forkserver's keep-alive pipe (held by a rank, it would keep the template alive after the
+    agent died; user code that starts its own forkserver gets a fresh one), and torch's
+    random generator state (the same in every rank; a process of its own seeds from the OS)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_pid = None
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
 
 
 def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
@@ -81,33 +99,40 @@ def _serve(pool: RunDir, rank: int) -> bool:
     """A warm rank of ``gpufleet.pool``: set up CUDA and the process group once, then run
     each call handed over through the pool's pipe, in the call's own run folder, until the
     pipe closes. A failed call ends the rank, and the pool starts again for the next call:
-    no call inherits a broken process group or a collective left half done."""
+    no call inherits a broken process group or a collective left half done. After each call
+    the rank puts its state back and says it is ready; the caller hands over the next call
+    only then."""
     if not _call(pool, rank, _warm_up):
         return False
     baseline = _warm.Baseline()
     group = _warm.WarmGroup()
     group.install()
+    modules = _warm.ModuleFiles()
     release_memory = _environ.pool_mode() != _environ.POOL_KEEP_MEMORY
+    calls = 0
+    payload.write_private(pool.ready(rank), b"0")
     with open(pool.orders(rank), "rb") as orders:
         for line in orders:
             order = json.loads(line)
             timings.reset()
             timings.mark("call_received")
-            baseline.enter(order["env"])
+            baseline.enter(order["env"], order["cwd"])
             group.begin_call()
             # before the result: the caller may edit a module as soon as the call returns
-            modules = (lambda: _record_modules(pool)) if rank == 0 else None
-            if not _call(RunDir(Path(order["run"])), rank, before_result=modules):
+            record = (lambda: payload.write_private(pool.modules, modules.seen())) if rank == 0 else None
+            if not _call(RunDir(Path(order["run"])), rank, before_result=record):
                 return False
-            group.end_call(keep=runtime._own_groups())
             _send_output_to(pool.log(rank))
             _answer_stack_requests(pool.stacks(rank))
-            baseline.restore(release_memory)
+            try:
+                group.end_call(keep=runtime._own_groups())
+                baseline.restore(release_memory)
+            except Exception:  # the rank cannot promise a clean state: the pool starts again
+                traceback.print_exc()
+                return False
+            calls += 1
+            payload.write_private(pool.ready(rank), str(calls).encode())
     return True
-
-
-def _record_modules(pool: RunDir) -> None:
-    payload.write_private(pool.modules, json.dumps(_warm.user_modules()).encode())
 
 
 def _warm_up(run: RunDir) -> None:

@@ -38,8 +38,11 @@ class _Rank:
 class RunMonitor:
     """Watches the ranks of one run; ``sample()`` is called from the supervisor's loop."""
 
-    def __init__(self, run: RunDir, world_size: int):
+    def __init__(self, run: RunDir, world_size: int, nccl_traces: Path | None = None):
+        """``nccl_traces``: the prefix of the ranks' NCCL flight-recorder files, when not the
+        run's own (a warm pool's ranks keep the one they started with)."""
         self.run = run
+        self.nccl_traces = nccl_traces or run.nccl_traces
         self.world_size = world_size
         self.ranks = {r: _Rank() for r in range(world_size)}
         self.global_ooms = _vmstat_oom_kills()
@@ -143,7 +146,7 @@ class RunMonitor:
                 asked[rank] = path
             except ProcessLookupError:
                 pass
-        _request_nccl_dumps(self.run, asked)
+        _request_nccl_dumps(self.nccl_traces, asked)
         end = time.monotonic() + STACKS_WAIT_S
         states: dict[int, diagnosis.RankState | None] = {r: None for r in range(self.world_size)}
         pending = set(asked)
@@ -154,7 +157,7 @@ class RunMonitor:
                 if text is not None:
                     states[rank] = diagnosis.parse_dump(rank, text)
                     pending.discard(rank)
-        nccl = {r: Path(f"{self.run.nccl_traces}{r}") for r in asked}
+        nccl = {r: Path(f"{self.nccl_traces}{r}") for r in asked}
         if any(Path(f"{p}.pipe").exists() for p in nccl.values()):
             # NCCL's monitor thread reads its pipe about once a second, then dumps.
             until = time.monotonic() + NCCL_DUMP_WAIT_S
@@ -185,11 +188,11 @@ def _dump_since(path: Path, offset: int) -> str | None:
     return header + "\n" + new
 
 
-def _request_nccl_dumps(run: RunDir, ranks) -> None:
+def _request_nccl_dumps(prefix: Path, ranks) -> None:
     """Ask PyTorch's NCCL flight recorder of each rank for a dump (through the pipe that
     TORCH_NCCL_DEBUG_INFO_PIPE_FILE makes it open); nothing to do on CPU runs."""
     for rank in ranks:
-        pipe = Path(f"{run.nccl_traces}{rank}.pipe")
+        pipe = Path(f"{prefix}{rank}.pipe")
         if not pipe.exists():
             continue
         try:

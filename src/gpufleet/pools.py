@@ -34,6 +34,13 @@ from gpufleet.supervisor import Preemption, Supervisor
 
 CLOSE_GRACE_SECONDS = 10.0
 DEFAULT_START_TIMEOUT = 600.0
+READY_TIMEOUT_SECONDS = 60.0  # for warm ranks to clean up after a call before the next one
+READY_POLL_SECONDS = 0.002
+# Read when the ranks start (CUDA, NCCL, the allocator, OpenMP, the dynamic loader): a call
+# that sets them differently gets freshly started ranks rather than silently old values.
+START_UP_VARIABLES = ("CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF",
+                      "OMP_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH")
+START_UP_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_")
 
 _active: list["Pool"] = []  # pools entered with `with`, innermost last
 _shared: dict[tuple, "Pool"] = {}  # the pools of warm=True functions, by placement
@@ -60,10 +67,12 @@ class Pool:
         self._keep_memory = keep_memory
         self._lock = threading.RLock()  # one call at a time
         self._ranks: _Ranks | None = None
+        self._closed = False
         self.placement: Placement | None = None
         self.starts = 0  # how many times the ranks were started (1 + rebuilds)
 
     def __enter__(self) -> "Pool":
+        self._closed = False
         self.start()
         _active.append(self)
         return self
@@ -94,8 +103,10 @@ class Pool:
             return self
 
     def close(self) -> None:
-        """Stop the ranks: they exit when their pipes close; whatever is left is killed."""
+        """Stop the ranks: they exit when their pipes close; whatever is left is killed. A
+        call that was about to use the pool runs cold instead."""
         with self._lock:
+            self._closed = True
             self._discard()
 
     def __repr__(self) -> str:
@@ -103,23 +114,18 @@ class Pool:
         return f"<gpufleet.Pool {state}>"
 
     @contextlib.contextmanager
-    def _lease(self):
-        """The ranks, for one call; started (again) first when needed. A call that does not
-        end well stops them."""
+    def _lease(self, env: dict[str, str]):
+        """The ranks, ready for one call with the environment ``env`` (the call's launch
+        plan's); started (again) first when needed, or None once the pool is closed. A call
+        that does not end well stops them."""
         with self._lock:
-            edited = self._ranks.modules_changed() if self.alive else None
-            if edited:
-                print(
-                    f"gpufleet: {edited} changed since the pool's ranks imported it; "
-                    "starting the ranks again",
-                    file=sys.stderr, flush=True,
-                )
+            if self._closed:
+                yield None
+                return
+            why = self._stale(env)
+            if why:
+                print(f"gpufleet: {why}; starting the pool's ranks again", file=sys.stderr, flush=True)
                 self._discard()
-            elif self._ranks is not None and not self.alive:
-                print(
-                    "gpufleet: the pool's ranks stopped with the last call; starting them again",
-                    file=sys.stderr, flush=True,
-                )
             self.start()
             ranks = self._ranks
             try:
@@ -128,64 +134,105 @@ class Pool:
                 self._discard()
                 raise
 
+    def _stale(self, env: dict[str, str]) -> str | None:
+        """Why the running ranks cannot take the next call (None: they can)."""
+        if self._ranks is None:
+            return None
+        if not self.alive:
+            return "the pool's ranks stopped with the last call"
+        edited = self._ranks.modules_changed()
+        if edited:
+            return f"{edited} changed since the pool's ranks imported it"
+        changed = self._ranks.start_up_changes(env)
+        if changed:
+            return f"{', '.join(changed)} changed since the pool's ranks started"
+        if not self._ranks.wait_ready(READY_TIMEOUT_SECONDS):
+            return (f"the pool's ranks did not clean up after the last call within "
+                    f"{READY_TIMEOUT_SECONDS:g} s (their log: {self._ranks.folder.log(0)})")
+        return None
+
     def _discard(self) -> None:
         if self._ranks is not None:
             self._ranks.stop()
             self._ranks = None
 
     def _serves(self, placement: Placement) -> bool:
-        return self.placement is None or self.placement == placement
+        """Same device and number of ranks (a call's gpu_type was checked already)."""
+        return (self.placement.device, self.placement.nprocs) == (placement.device, placement.nprocs)
 
 
 class _Ranks:
     """One start of a pool's ranks: the agent, its folder and the pipes to its ranks."""
 
-    def __init__(self, folder: RunDir, agent: subprocess.Popen, pipes: list[int], env: dict[str, str]):
+    def __init__(self, folder: RunDir, agent: subprocess.Popen | None, pipes: list[int], env: dict[str, str]):
         self.folder = folder
         self.agent = agent
         self.pipes = pipes
         self.env = env  # the environment the ranks started with (the launch plan's)
         self.nprocs = len(pipes)
+        self.calls = 0  # handed over so far
 
     @classmethod
     def start(cls, placement: Placement, options: RunOptions, keep_memory: bool) -> "_Ranks":
         called_at = time.time()
         folder = RunDir.create(options.runs_dir, "pool")
-        (folder.path / "orders").mkdir(mode=0o700)
-        pipes = []
-        for rank in range(placement.nprocs):
-            os.mkfifo(folder.orders(rank), 0o600)
-            # read-write: opening never blocks, and the ranks see end-of-file only when
-            # this process closes it (or dies)
-            pipes.append(os.open(folder.orders(rank), os.O_RDWR | os.O_CLOEXEC))
-        mode = _environ.POOL_KEEP_MEMORY if keep_memory else "1"
-        plan = local.plan(folder, placement, options, 0, {_environ.POOL: mode})
-        agent = local.launch(plan, folder)
-        ranks = cls(folder, agent, pipes, plan.env)
-        supervisor = Supervisor(
-            folder, agent, placement.nprocs, options, Preemption(), {"call": called_at}, None, 0,
-            pooled=True,
-        )
+        for sub in ("orders", "ready"):
+            (folder.path / sub).mkdir(mode=0o700)
+        pipes: list[int] = []
+        agent = None
         try:
-            supervisor.wait()
+            for rank in range(placement.nprocs):
+                os.mkfifo(folder.orders(rank), 0o600)
+                # read-write: opening never blocks, and the ranks see end-of-file only when
+                # this process closes it (or dies)
+                pipes.append(os.open(folder.orders(rank), os.O_RDWR | os.O_CLOEXEC))
+            mode = _environ.POOL_KEEP_MEMORY if keep_memory else "1"
+            plan = local.plan(folder, placement, options, 0, {_environ.POOL: mode})
+            agent = local.launch(plan, folder)
+            Supervisor(
+                folder, agent, placement.nprocs, options, Preemption(), {"call": called_at}, None, 0,
+                pooled=True,
+            ).wait()
         except BaseException:
-            ranks.stop()
+            cls(folder, agent, pipes, {}).stop()
             raise
         print(
             f"gpufleet: pool of {placement.nprocs} warm ranks ready in "
             f"{time.time() - called_at:.1f} s ({folder.path})",
             file=sys.stderr, flush=True,
         )
-        return ranks
+        return cls(folder, agent, pipes, plan.env)
 
     def hand_over(self, run: RunDir, env: dict[str, str]) -> None:
         """Give the call in ``run`` to every rank, with the environment it would have had in
         a cold start: the variables that differ from the ranks' own (None: unset)."""
         changes: dict[str, str | None] = {k: v for k, v in env.items() if self.env.get(k) != v}
         changes.update({k: None for k in self.env if k not in env})
-        order = json.dumps({"run": str(run.path), "env": changes}).encode() + b"\n"
+        order = {"run": str(run.path), "env": changes, "cwd": os.getcwd()}
+        line = json.dumps(order).encode() + b"\n"
         for pipe in self.pipes:
-            os.write(pipe, order)
+            os.write(pipe, line)
+        self.calls += 1
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every rank has cleaned up after the calls handed over so far."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.agent.poll() is None:
+            if all(self._finished(rank) >= self.calls for rank in range(self.nprocs)):
+                return True
+            time.sleep(READY_POLL_SECONDS)
+        return False
+
+    def _finished(self, rank: int) -> int:
+        try:
+            return int(self.folder.ready(rank).read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def start_up_changes(self, env: dict[str, str]) -> list[str]:
+        """The variables read when the ranks start that the call sets differently."""
+        names = {n for n in {*env, *self.env} if n in START_UP_VARIABLES or n.startswith(START_UP_PREFIXES)}
+        return sorted(n for n in names if env.get(n) != self.env.get(n) and not _per_run(n))
 
     def modules_changed(self) -> str | None:
         """The first user module file edited since the ranks imported it, if any."""
@@ -205,6 +252,8 @@ class _Ranks:
         for pipe in self.pipes:
             os.close(pipe)
         self.pipes = []
+        if self.agent is None:
+            return
         try:
             self.agent.wait(CLOSE_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
@@ -259,6 +308,12 @@ def for_call(options: RunOptions, placement: Placement) -> Pool | None:
         if key not in _shared:
             _shared[key] = Pool(placement.nprocs, runs_dir=options.runs_dir)
         return _shared[key]
+
+
+def _per_run(name: str) -> bool:
+    """Set for each run by gpufleet itself (the flight recorder's files live in the run
+    folder), so never a reason to start again."""
+    return name in {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE"}
 
 
 @atexit.register

@@ -87,8 +87,13 @@ class RunDir:
         return self.path / "tracking.json"
 
     def orders(self, rank: int) -> Path:
-        """A warm pool's pipe to rank N: one line per call (``pool.py``)."""
+        """A warm pool's pipe to rank N: one line per call (``pools.py``)."""
         return self.path / "orders" / f"rank-{rank}"
+
+    def ready(self, rank: int) -> Path:
+        """How many calls a warm rank has finished and cleaned up after: the caller hands
+        over the next call once every rank has (``pools.py``)."""
+        return self.path / "ready" / f"rank-{rank}"
 
     @property
     def modules(self) -> Path:

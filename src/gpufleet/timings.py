@@ -26,7 +26,9 @@ PHASES = (
     ("pool_ready", "start the warm pool's ranks"),
     ("agent_started", "start the agent process"),
     ("launcher_ready", "import torch (agent and rank template, side by side)"),
-    ("ranks_started", "rendezvous; fork the ranks from the template"),
+    ("cluster_placed", "place the ranks on the Ray cluster"),
+    ("cluster_actors_ready", "start the ranks' actors (runtime_env, version check)"),
+    ("ranks_started", "rendezvous and start the rank processes"),
     ("call_received", "hand the call to the warm ranks"),
     ("payload_loaded", "interpreter, imports and payload"),
     ("tracking_joined", "waiting for the call's MLflow run"),
@@ -34,8 +36,8 @@ PHASES = (
     ("cuda_ready", "CUDA initialisation"),
     ("process_group_ready", "rendezvous and process group"),
     ("function_ended", "user function"),
-    ("agent_exited", "rank exits and the agent's teardown"),
     ("ranks_returned", "results written"),
+    ("agent_exited", "rank exits and the agent's teardown"),
     ("results_collected", "read the results"),
 )
 _RANK_INSTANTS = {"ranks_started", "call_received", "payload_loaded", "tracking_joined", "setup_started", "cuda_ready",
@@ -138,7 +140,7 @@ def gather(run_dir: Path, caller: dict[str, float], world_size: int) -> Timings:
             ranks[rank] = json.loads(RunDir(run_dir).timings(rank).read_text())
         except (OSError, ValueError):
             pass
-    try:  # the agent's instants (a cold run's), counted with the caller's
+    try:  # the agent's instants (a cold run's) or the cluster launch's, counted with the caller's
         caller = {**json.loads(RunDir(run_dir).agent_timings.read_text()), **caller}
     except (OSError, ValueError):
         pass

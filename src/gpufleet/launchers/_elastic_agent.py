@@ -22,12 +22,12 @@ from pathlib import Path
 
 from gpufleet import _environ, _process, _worker, timings
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import RunDir, read_pid
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
 RENDEZVOUS_BACKEND = "gpufleet-loopback"
-TEMPLATE_PRELOAD = ["torch", "torch.distributed", "gpufleet._worker"]
+TEMPLATE_PRELOAD = ["gpufleet.launchers._template", "torch", "torch.distributed", "gpufleet._worker"]
 LOOPBACK = "127.0.0.1"
 
 
@@ -74,7 +74,18 @@ def _launch(run: RunDir, nprocs: int) -> dict:
         return {"state": "stopped", "signal": exc.sigval.name}
     except Exception:
         return {"state": "error", "error": traceback.format_exc()}
+    finally:
+        _end_rank_groups(run, nprocs)
     return {"state": "succeeded"}
+
+
+def _end_rank_groups(run: RunDir, nprocs: int) -> None:
+    """Elastic stops a rank it forked by its pid alone; what the rank started (loader
+    workers, compilers, user subprocesses) shares the rank's process group and ends here."""
+    for rank in range(nprocs):
+        pid = read_pid(run.pid_file(rank))
+        if pid is not None:
+            _process.kill_group(pid)
 
 
 def _config(run: RunDir, nprocs: int):

@@ -6,9 +6,12 @@ in its own process, ``_elastic_agent``; docs/design.md says why.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
 import json
 import os
+import queue
+import threading
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -81,12 +84,18 @@ def _torch_version() -> tuple[int, int]:
 
 def launch(launch_plan: LaunchPlan, run: RunDir) -> subprocess.Popen:
     """Start the agent in its own session, so a terminal's Ctrl-C reaches only the caller,
-    which then stops the run in order."""
+    which then stops the run in order.
+
+    The agent dies with the thread that started it (PR_SET_PDEATHSIG follows the thread, not
+    the process), so every agent is started by one long-lived thread: a call made from a
+    short-lived thread, or a pool started by one, outlives it.
+    """
     spec = {"nprocs": launch_plan.nprocs}
     write_private(run.path / "launch.json", json.dumps(spec).encode())
     log_fd = os.open(run.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return subprocess.Popen(
+        return _starter().run(
+            subprocess.Popen,
             launch_plan.argv,
             env=launch_plan.env,
             stdin=subprocess.DEVNULL,
@@ -96,3 +105,39 @@ def launch(launch_plan: LaunchPlan, run: RunDir) -> subprocess.Popen:
         )
     finally:
         os.close(log_fd)
+
+
+class _Starter:
+    """A daemon thread that lives as long as this process: it ends only when the process
+    does, so the agents it started get their parent-death signal exactly then (after the
+    interpreter waited for the calls' teardown threads)."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="gpufleet-starter", daemon=True).start()
+
+    def run(self, fn, *args, **kwargs):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((done, fn, args, kwargs))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            done, fn, args, kwargs = self._tasks.get()
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller, which raises it
+                done.set_exception(exc)
+
+
+_starters: dict[int, _Starter] = {}
+_starters_lock = threading.Lock()
+
+
+def _starter() -> _Starter:
+    """This process's starter (a forked child of the caller gets its own)."""
+    with _starters_lock:
+        pid = os.getpid()
+        if pid not in _starters:
+            _starters[pid] = _Starter()
+        return _starters[pid]
