@@ -62,7 +62,13 @@ def test_decorated_function_keeps_name_doc_and_signature(bare):
         ({"gpus": "2"}, ["gpus", "'2'"]),
         ({"gpus": 2.5}, ["gpus", "2.5"]),
         ({"gpu": 2}, ["gpu", "gpus", "gpu_type", "remote", "timeout"]),  # lists valid options
-        ({"remote": True}, ["remote"]),
+        ({"remote": "slurm"}, ["remote", "'slurm'", "'ray'"]),
+        ({"placement": "spread"}, ["placement='spread'", "remote=True"]),  # unused locally
+        ({"remote": True, "warm": True}, ["warm=True", "remote=True"]),
+        ({"remote": True, "placement": "everywhere"}, ["placement", "'pack'", "'spread'"]),
+        ({"remote": True, "pip": "numpy"}, ["pip=", "list of requirements"]),
+        ({"remote": True, "runtime_env": {"pip": ["x"]}}, ["runtime_env", "pip=[...]"]),
+        ({"remote": True, "placement_timeout": 0}, ["placement_timeout", "0"]),
         ({"gpu_type": "H100"}, ["H100"]),  # no GPU here: must say what was found
         ({"timeout": -5}, ["timeout", "-5"]),
         ({"logs": "everything"}, ["logs", "everything"]),
@@ -91,6 +97,14 @@ def test_gpu_type_without_gpu_says_none_was_found(runs_dir):
         distributed(gpu_type="H200", runs_dir=runs_dir)(train).distributed(1)
     text = str(info.value).lower()
     assert "no gpu" in text or "0 gpu" in text or "found" in text, text
+
+
+def test_a_cluster_function_runs_here_with_remote_false():
+    """Switching a function between the cluster and this machine changes one option."""
+    cluster = distributed(remote=True, gpus=16, placement="spread")(train)
+    here = cluster.options(remote=False, gpus=2)
+    assert cluster.run_options.remote == "ray"
+    assert (here.run_options.remote, here.run_options.placement) == (False, "spread")
 
 
 def test_options_with_unknown_name_lists_valid_ones():

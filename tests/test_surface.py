@@ -19,7 +19,8 @@ def test_decorator_options():
 
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
-                              "show_timings", "tracking", "warm"]
+                              "show_timings", "tracking", "warm", "ray_address", "placement",
+                              "placement_timeout", "pip", "runtime_env"]
 
 
 def test_runtime_functions():

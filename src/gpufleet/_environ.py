@@ -18,6 +18,7 @@ ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first r
 TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run folder's tracking.json
 POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
 POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory between calls
+RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use by default
 
 
 def int_var(name: str, default: int) -> int:
@@ -84,6 +85,11 @@ def caller_umask() -> int | None:
 
 def gpufleet_home() -> Path:
     return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet")
+
+
+def ray_address() -> str | None:
+    """The Ray cluster named by RAY_ADDRESS (None: unset or empty)."""
+    return os.environ.get(RAY_ADDRESS) or None
 
 
 def cuda_visible_devices() -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from gpufleet import _environ, hardware, launchers, pool, runtime
+from gpufleet import _environ, hardware, launchers, pools, runtime
 from gpufleet.errors import ConfigError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
@@ -61,9 +62,14 @@ class DistributedFunction(Generic[R]):
         """
         called_at = time.time()
         opts = self._options
-        placement = hardware.place(opts.gpus, opts.gpu_type)
-        check_world(opts, placement.nprocs)
-        payload = dump_call(self._fn, args, kwargs)
+        if opts.remote:  # bad input fails before connecting to (or starting) a Ray cluster
+            payload = dump_call(self._fn, args, kwargs)
+            placement = launchers.get(opts.remote).place(opts)
+            check_world(opts, placement.nprocs)
+        else:
+            placement = hardware.place(opts.gpus, opts.gpu_type)
+            check_world(opts, placement.nprocs)
+            payload = dump_call(self._fn, args, kwargs)
         if placement.device == "cpu":
             print(f"gpufleet: {placement.describe()}", file=sys.stderr, flush=True)
         deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
@@ -118,15 +124,20 @@ class DistributedFunction(Generic[R]):
         run = RunDir.create(opts.runs_dir, self.__name__)
         self.last_run = run.path
         write_private(run.payload, payload)
-        launcher = launchers.get("local")
+        launcher = launchers.get(opts.remote or "local")
         env = {_environ.TRACKED: "1"} if tracking.enabled else {}
         plan = launcher.plan(run, placement, opts, attempt, env)
         stamps = {"call": called_at, "attempt_started": started_at}
-        warm = pool.for_call(opts, placement)
-        if warm is None:
-            agent = launcher.launch(plan, run)
-            return self._supervise(run, agent, placement, preemption, stamps, tracking, attempt, deadline)
-        with warm._lease() as ranks:
+        if opts.remote:  # the ranks run on a cluster; the job stands for the agent
+            job = launcher.launch(plan, run, deadline)
+            return self._supervise(
+                run, job, placement, preemption, stamps, tracking, attempt, deadline, monitor=job.monitor,
+            )
+        warm = pools.for_call(opts, placement)
+        with warm._lease(plan.env) if warm else contextlib.nullcontext() as ranks:
+            if ranks is None:  # no pool, or it closed meanwhile: start cold
+                agent = launcher.launch(plan, run)
+                return self._supervise(run, agent, placement, preemption, stamps, tracking, attempt, deadline)
             stamps["pool_ready"] = time.time()  # after any (re)start of the pool's ranks
             ranks.hand_over(run, plan.env)
             return self._supervise(
@@ -136,13 +147,13 @@ class DistributedFunction(Generic[R]):
 
     def _supervise(
         self, run: RunDir, agent, placement, preemption: Preemption, stamps: dict, tracking,
-        attempt: int, deadline: float | None, pool_folder: RunDir | None = None,
+        attempt: int, deadline: float | None, pool_folder: RunDir | None = None, monitor=None,
     ) -> list[R]:
         tracking.begin()  # created while the ranks start; the supervisor hands it over
         supervisor = Supervisor(
             run, agent, placement.nprocs, self._options, preemption, stamps,
             tracking if tracking.enabled else None, attempt,
-            launcher=pool_folder, pooled=pool_folder is not None,
+            launcher=pool_folder, pooled=pool_folder is not None, monitor=monitor,
         )
         return supervisor.wait(deadline)
 
@@ -151,16 +162,19 @@ class DistributedFunction(Generic[R]):
 
 
 def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
-    """Make a function runnable on every GPU of this machine.
+    """Make a function runnable on every GPU of this machine, or of a Ray cluster.
 
     Options (all keyword-only):
       gpus      number of processes, one per GPU; None = every visible GPU (2 CPU processes
-                with gloo when no GPU is visible)
+                with gloo when no GPU is visible). With remote=True: GPUs across the
+                cluster's nodes, None = every GPU of the cluster
       gpu_type  check the GPU model ("H100", "H200", "A10", ...) before starting
-      remote    run on a Ray cluster (not available yet)
+      remote    True (or "ray"): run on a Ray cluster, ranks ordered by node then GPU
+                (docs/cluster.md); False: this machine
       timeout   seconds for the whole call (default 3 hours); None disables it
       logs      which ranks' output is printed live: "all", "rank0", "none" or a list of ranks
-      env       extra environment variables for every rank
+      env       extra environment variables for every rank (on a Ray cluster the ranks get
+                their node's environment plus these, not this process's)
       runs_dir  where run folders go (default ~/.gpufleet/runs, or $GPUFLEET_HOME/runs)
       max_retries  how many times a failed run starts again, all ranks together (default 0)
       no_retry  exception types (or names) whose failure is final, e.g. (ValueError,)
@@ -175,6 +189,19 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
                 installed; True: require it; False: never)
       warm      keep the ranks alive after a call, so the next call ships only its payload
                 (a gpufleet.pool shared by such functions; see gpufleet.pool)
+
+    Options of remote runs (an error without remote=True):
+      ray_address  the cluster: "HOST:6379", "ray://HOST:10001", "auto"; None: the connection
+                this process has, else RAY_ADDRESS, else a new local Ray instance
+      placement  "pack" (default: as few nodes as possible), "spread", "strict_pack" (one
+                node) or "strict_spread" (one rank per node)
+      placement_timeout  seconds to wait for enough free GPUs before failing (default 300);
+                a cluster that has too few GPUs at all fails at once
+      pip       True: install this environment's packages (pinned) on the workers through
+                Ray's runtime_env; or a list of requirements; False (default): none
+      runtime_env  Ray runtime_env fields merged into what gpufleet ships (gpufleet itself,
+                your local modules, the working directory): e.g. {"working_dir": None},
+                {"excludes": ["data/"]}, {"env_vars": {...}}, {"image_uri": ...}
 
     Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
     """

@@ -18,7 +18,18 @@ from gpufleet.errors import ConfigError
 DEFAULT_TIMEOUT = 3 * 3600.0
 DEFAULT_HANG_TIMEOUT = 1800.0
 DEFAULT_GRACE_PERIOD = 30.0
+DEFAULT_PLACEMENT_TIMEOUT = 300.0
 LOG_CHOICES = ("all", "rank0", "none")
+REMOTE_ENGINES = ("ray",)  # remote=True picks the first
+PLACEMENTS = ("pack", "spread", "strict_pack", "strict_spread")  # Ray's placement strategies
+# Options that only a remote run uses, with their defaults.
+CLUSTER_OPTIONS = {
+    "ray_address": None,
+    "placement": "pack",
+    "placement_timeout": DEFAULT_PLACEMENT_TIMEOUT,
+    "pip": False,
+    "runtime_env": None,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +38,7 @@ class RunOptions:
 
     gpus: int | None = None
     gpu_type: str | None = None
-    remote: bool = False
+    remote: str | bool = False  # False, or the engine's name: "ray"
     timeout: float | None = DEFAULT_TIMEOUT
     logs: str | tuple[int, ...] = "all"
     env: Mapping[str, str] = field(default_factory=dict)
@@ -39,21 +50,34 @@ class RunOptions:
     show_timings: bool = False
     tracking: bool | None = None  # MLflow: None = when installed
     warm: bool = False  # keep the ranks alive between calls (a shared gpufleet.pool)
+    ray_address: str | None = None  # the Ray cluster of remote runs; None: RAY_ADDRESS or a local one
+    placement: str = "pack"  # how a remote run's ranks spread over nodes (Ray's strategies)
+    placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT  # seconds to wait for free GPUs
+    pip: bool | tuple[str, ...] = False  # True: this environment's packages on the workers
+    runtime_env: Mapping | None = None  # Ray's runtime_env, merged into what gpufleet ships
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
+        return cls._create(options, given=set(options))
+
+    def replace(self, **changes) -> "RunOptions":
+        merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        merged.update(changes)
+        # only the changed options are checked against remote: fn.options(remote=False) keeps a
+        # cluster function's placement options, unused, so it can run here unchanged
+        return RunOptions._create(merged, given=set(changes))
+
+    @classmethod
+    def _create(cls, options: dict, given: set[str]) -> "RunOptions":
         unknown = sorted(set(options) - set(option_names()))
         if unknown:
             raise ConfigError(
                 f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
                 f"valid options are: {', '.join(option_names())}"
             )
-        return cls(**_checked(options))
-
-    def replace(self, **changes) -> "RunOptions":
-        merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        merged.update(changes)
-        return RunOptions.create(**merged)
+        run = cls(**_checked(options))
+        _check_remote_combination(run, given)
+        return run
 
     def shows_rank(self, rank: int) -> bool:
         if self.logs == "all":
@@ -94,8 +118,33 @@ def _checked(options: dict) -> dict:
         "show_timings": _check_show_timings,
         "tracking": _check_tracking,
         "warm": _check_warm,
+        "ray_address": _check_ray_address,
+        "placement": _check_placement,
+        "placement_timeout": _check_placement_timeout,
+        "pip": _check_pip,
+        "runtime_env": _check_runtime_env,
     }
     return {name: checks[name](value) for name, value in options.items()}
+
+
+def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
+    """Cluster options without remote=True would be silently unused; a warm pool is local."""
+    if not run.remote:
+        unused = [
+            f"{name}={getattr(run, name)!r}" for name, default in CLUSTER_OPTIONS.items()
+            if name in given and getattr(run, name) != default
+        ]
+        if unused:
+            many = len(unused) > 1
+            raise ConfigError(
+                f"{', '.join(unused)} only {'apply' if many else 'applies'} to runs on a Ray "
+                f"cluster; add remote=True, or drop {'them' if many else 'it'} to run on this machine"
+            )
+    elif run.warm:
+        raise ConfigError(
+            "warm=True keeps ranks alive on this machine; it does not combine with a Ray "
+            "cluster (remote=True): pass warm=False, or remote=False"
+        )
 
 
 def _check_gpus(gpus):
@@ -118,14 +167,68 @@ def _check_gpu_type(gpu_type):
 
 
 def _check_remote(remote):
-    if not isinstance(remote, bool):
-        raise ConfigError(f"remote={remote!r} must be True or False")
-    if remote:
+    if remote is True:
+        return REMOTE_ENGINES[0]
+    if remote is False or remote in REMOTE_ENGINES:
+        return remote
+    raise ConfigError(
+        f"remote={remote!r} must be False (this machine), True or 'ray' (a Ray cluster)"
+    )
+
+
+def _check_ray_address(address):
+    if address is not None and (not isinstance(address, str) or not address.strip()):
         raise ConfigError(
-            "remote=True (running on a Ray cluster) is not available in this version of "
-            "gpufleet yet; use remote=False to run on the GPUs of this machine"
+            f"ray_address={address!r} must be a Ray cluster address such as '10.0.0.1:6379', "
+            "'ray://head:10001' or 'auto', or None (RAY_ADDRESS, else a local Ray instance)"
         )
-    return remote
+    return address.strip() if address else None
+
+
+def _check_placement(placement):
+    if placement not in PLACEMENTS:
+        raise ConfigError(
+            f"placement={placement!r} is not a choice; use one of "
+            f"{', '.join(map(repr, PLACEMENTS))} ('pack': as few nodes as possible)"
+        )
+    return placement
+
+
+def _check_placement_timeout(placement_timeout):
+    return _seconds(
+        "placement_timeout", placement_timeout,
+        none="e.g. placement_timeout=300: how long to wait for enough free GPUs in the cluster",
+        allow_none=False,
+    )
+
+
+def _check_pip(pip):
+    if isinstance(pip, bool):
+        return pip
+    if isinstance(pip, Sequence) and not isinstance(pip, str) and pip and all(
+        isinstance(p, str) and p.strip() for p in pip
+    ):
+        return tuple(p.strip() for p in pip)
+    raise ConfigError(
+        f"pip={pip!r} must be True (install this environment's packages on the workers), "
+        "False, or a list of requirements such as ['transformers==4.46.0']"
+    )
+
+
+def _check_runtime_env(runtime_env):
+    if runtime_env is None:
+        return None
+    if not isinstance(runtime_env, Mapping) or not all(isinstance(k, str) for k in runtime_env):
+        raise ConfigError(
+            f"runtime_env={runtime_env!r} must be a dict of Ray runtime_env fields, e.g. "
+            "{'env_vars': {...}, 'excludes': ['data/']}, or None"
+        )
+    if "pip" in runtime_env:
+        raise ConfigError(
+            "runtime_env={'pip': ...}: pass the requirements as pip=[...] instead, so that "
+            "gpufleet knows about them (pip=True ships this environment's packages)"
+        )
+    return dict(runtime_env)
 
 
 def _check_timeout(timeout):

@@ -78,11 +78,13 @@ class Supervisor:
         attempt: int,
         launcher: RunDir | None = None,
         pooled: bool = False,
+        monitor: RunMonitor | None = None,
     ):
         """The call is done once every rank has written its result: the values are returned
         while the ranks and the agent exit in the background. ``launcher``: the folder of
         the agent's own files (its log and report), when it is not ``run``: a warm pool's.
-        ``pooled``: the ranks live on after the call (a warm pool)."""
+        ``pooled``: the ranks live on after the call (a warm pool). ``monitor``: how to
+        watch ranks that do not run on this machine (a cluster launcher's)."""
         self.run = run
         self.launcher = launcher or run
         self.pooled = pooled
@@ -96,7 +98,7 @@ class Supervisor:
         self.world_size = world_size
         self.options = options
         self.follower = LogFollower(run.log, world_size, options.shows_rank)
-        self.monitor = RunMonitor(run, world_size)
+        self.monitor = monitor or RunMonitor(run, world_size, self.launcher.nccl_traces)
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
 
     def wait(self, deadline: float | None = None) -> list:
@@ -155,9 +157,10 @@ class Supervisor:
             self._end_ranks()  # a failed call returns once its ranks are gone
             raise
         if self.returned and self.agent.poll() is None:
-            self.stamps["ranks_returned"] = time.time()
             if not self.pooled:  # the values go back while the ranks and the agent exit
-                threading.Thread(target=self._teardown, name="gpufleet-teardown", daemon=True).start()
+                # not a daemon: a script that ends right after the call still lets its ranks
+                # finish their exit (atexit hooks, NCCL teardown) before the agent goes
+                threading.Thread(target=self._teardown, name="gpufleet-teardown").start()
         return values
 
     def _end_ranks(self) -> None:
@@ -175,6 +178,7 @@ class Supervisor:
             if self.follower.poll():
                 self.monitor.progress()
             if all(self.run.result(r).exists() for r in range(self.world_size)):
+                self.stamps["ranks_returned"] = time.time()
                 self.follower.poll()
                 self.returned = True
                 return "done"
@@ -243,7 +247,12 @@ class Supervisor:
         self._sweep()
 
     def _sweep(self) -> None:
-        """Kill every process group of the run that still exists; reap the agent."""
+        """Kill every process group of the run that still exists; reap the agent. A remote
+        job's processes are on other machines, where its pids name other processes: it
+        releases them itself."""
+        if getattr(self.agent, "remote", False):
+            self.agent.release()
+            return
         for rank in range(self.world_size):
             pid = read_pid(self.run.pid_file(rank))
             if pid is not None:
@@ -260,7 +269,7 @@ class Supervisor:
         for failure in failures:
             if not failure.collateral:
                 failure.log_tail = tail_lines(self.run.log(failure.rank), count=5)
-        folder = self.run.nccl_traces.parent
+        folder = self.launcher.nccl_traces.parent
         nccl = f" NCCL flight recorder dumps (asked for; written within seconds): {folder}." if any(
             folder.glob("*.pipe")
         ) else ""
@@ -283,7 +292,7 @@ class Supervisor:
                 values[rank] = failure
                 continue
             death = report.get("failures", {}).get(str(rank))
-            if failure is None and death and death["exitcode"] not in (-signal.SIGTERM, -signal.SIGKILL):
+            if failure is None and death and death.get("exitcode") not in (-signal.SIGTERM, -signal.SIGKILL):
                 failure = _death(self.launcher, rank, report, self.monitor)  # it died by itself
             if failure is None:
                 failure = RankFailure(
@@ -355,6 +364,7 @@ def collect(
     folder with the agent's report, when not ``run``."""
     launcher = launcher or run
     report = _read_report(launcher)
+    hosts = report.get("hosts", {})  # a cluster launcher names each rank's node
     values, failures = {}, []
     for rank in range(world_size):
         status, item = _read_result(run, rank)
@@ -362,6 +372,7 @@ def collect(
             values[rank] = item
             continue
         failure = item or _death(launcher, rank, report, monitor)
+        failure.host = hosts.get(str(rank), failure.host)
         failure.log_tail = tail_lines(run.log(rank), end=failure.log_bytes)
         failures.append(failure)
     if not failures:
@@ -428,6 +439,9 @@ def _death(launcher: RunDir, rank: int, report: dict, monitor: RunMonitor | None
             summary=f"no result: the launcher stopped first (its log: {launcher.agent_log})",
             traceback=detail,
         )
+    if "lost" in info:  # a remote rank whose node or actor was lost: no exit status
+        return RankFailure(rank=rank, kind="lost", summary=info["lost"],
+                           time=float(info.get("time") or 0))
     code = info["exitcode"]
     failure = RankFailure(
         rank=rank,

@@ -8,7 +8,7 @@ from types import ModuleType
 
 from gpufleet.errors import ConfigError
 
-_LAUNCHERS = {"local": "gpufleet.launchers.local"}
+_LAUNCHERS = {"local": "gpufleet.launchers.local", "ray": "gpufleet.launchers.ray"}
 
 
 def get(name: str) -> ModuleType:

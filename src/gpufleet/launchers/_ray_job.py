@@ -1,0 +1,393 @@
+"""A running Ray job as the supervisor sees an agent process, and the thread that mirrors it.
+
+``RayJob`` has the part of ``subprocess.Popen`` the supervisor uses (``poll``, ``wait``,
+``send_signal``) and ``release`` in place of killing local process groups: its processes are
+on other machines, and their pids mean nothing here. A pump thread polls every rank's actor
+(``_ray_node.RankNode``) and mirrors what the rank wrote into the caller's run folder: log
+bytes, stacks, heartbeats, timings, the result, then the exit status. So the supervisor's log
+following, timeouts, hang detection and result collection work unchanged. The pump is also the
+remote run's fail-fast: the first rank that fails or is lost stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpufleet import diagnosis
+from gpufleet.monitor import STACKS_WAIT_S, RunMonitor
+from gpufleet.payload import write_private
+from gpufleet.rundir import RunDir
+
+PUMP_SECONDS = 0.05  # between two rounds of polls
+STOP_GRACE_SECONDS = 5.0  # SIGTERM, then SIGKILL: as elastic's agent does locally
+UNAVAILABLE_LOST_S = 3.0  # an actor Ray cannot reach this long is lost with its node
+SILENT_LOST_S = 15.0  # an actor that does not answer a poll this long is lost too
+RELEASE_WAIT_S = 5.0
+
+
+@dataclass
+class RankActor:
+    """One rank's actor and what the pump knows of it."""
+
+    rank: int
+    actor: Any
+    bundle: int  # its index in the placement group (and in RayJob.actors)
+    where: str  # "node 1: host 10.0.0.2", for errors and the launcher's log
+    node_id: str = ""  # Ray's id of its node
+    pending: Any = None  # the poll in flight
+    asked_at: float = 0.0
+    seen_at: float = field(default_factory=time.time)  # its last answer: when it was last alive
+    unreachable_since: float | None = None
+    started: bool = False  # the rank wrote its pid file: it runs its function
+    pid: int | None = None  # on its node; never used on this machine
+    exit: int | None = None
+    ended_at: float = 0.0
+    lost: str | None = None  # why it counts as lost
+    pushed: set = field(default_factory=set)  # caller files handed to it
+
+    @property
+    def final(self) -> bool:
+        return self.exit is not None or self.lost is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.lost is not None or (self.exit is not None and self.exit != 0)
+
+
+class RayJob:
+    """The ranks of one attempt on a Ray cluster, their actors and placement group."""
+
+    remote = True  # the supervisor releases it instead of killing local process groups
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.group = None  # the placement group, once asked for
+        self.actors: list = []  # one per bundle, in bundle order
+        self.ranks: list[RankActor] = []  # in rank order, once started
+        self.monitor: RemoteMonitor | None = None  # once the ranks are known
+        self.returncode: int | None = None
+        self._done = threading.Event()
+        self._quit = threading.Event()
+        self._stopping_since: float | None = None
+        self._killed = False
+        self._stopped_by_caller = False
+        self._hosts: dict[str, str] = {}
+        self._release_lock = threading.Lock()
+        self._released = False
+        self._pump_thread = threading.Thread(target=self._pump, name="gpufleet-ray-pump", daemon=True)
+
+    # -- the part of Popen the supervisor uses ----------------------------------------------
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired("the ranks on the Ray cluster", timeout)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """The supervisor stops the run (timeout, hang, Ctrl-C, end of a grace period)."""
+        self._stopped_by_caller = True
+        self._stop()
+
+    # -- start and release ------------------------------------------------------------------
+
+    def start(self, ranks: list[RankActor]) -> "RayJob":
+        self.ranks = ranks
+        self.monitor = RemoteMonitor(self.run, len(ranks), self)
+        self._hosts = {str(r.rank): r.where for r in ranks}
+        self._report({"state": "running"})
+        self._pump_thread.start()
+        return self
+
+    def release(self) -> None:
+        """Kill every rank and actor of the job and remove its placement group; idempotent,
+        bounded in time, and safe from any thread."""
+        with self._release_lock:
+            if self._released:
+                return
+            self._released = True
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._quit.set()
+        if self._pump_thread.is_alive():
+            self._pump_thread.join(RELEASE_WAIT_S)
+        if self.returncode is None:
+            self._finish(stopped=True)
+        lost = {r.bundle for r in self.ranks if r.lost is not None}
+        closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in lost]
+        if closes:  # each kills its rank's processes and removes its node's copy of the run
+            ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S)
+        for actor in self.actors:
+            _quietly(ray.kill, actor, no_restart=True)
+        if self.group is not None:
+            _quietly(remove_placement_group, self.group)
+        self._note("released the actors and the placement group")
+
+    # -- the pump ---------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        try:
+            while not self._quit.is_set():
+                self._poll_round()
+                self._push_caller_files()
+                self._fail_fast()
+                if all(r.final for r in self.ranks):
+                    self._finish()
+                    return
+                time.sleep(PUMP_SECONDS)
+        except Exception:  # never a silent hang: what is left of the job counts as lost
+            why = traceback.format_exc().strip().splitlines()[-1]
+            self._note(f"the pump failed:\n{traceback.format_exc()}")
+            for r in self.ranks:
+                if not r.final:
+                    self._lose(r, f"lost: gpufleet stopped following it ({why})")
+            self._finish()
+
+    def _poll_round(self) -> None:
+        import ray
+
+        now = time.monotonic()
+        live = [r for r in self.ranks if not r.final]
+        for r in live:
+            if r.pending is None:
+                r.pending, r.asked_at = r.actor.poll.remote(), now
+        refs = [r.pending for r in live]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PUMP_SECONDS)
+        ready = set(ready)
+        for r in live:
+            if r.pending in ready:
+                ref, r.pending = r.pending, None
+                self._answer(r, ref)
+            elif time.monotonic() - r.asked_at > SILENT_LOST_S:
+                self._lose(r, f"lost: its actor did not answer for {SILENT_LOST_S:g} s (its node is "
+                              "unreachable or stalled)")
+
+    def _answer(self, r: RankActor, ref) -> None:
+        import ray
+
+        try:
+            answer = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError as exc:
+            # Ray cannot reach the actor's process; for an actor that is never restarted,
+            # that lasting a few seconds means its node (or the process) is gone
+            r.unreachable_since = r.unreachable_since or time.monotonic()
+            if time.monotonic() - r.unreachable_since > UNAVAILABLE_LOST_S:
+                self._lose(r, self._why_lost(r, exc))
+            return
+        except ray.exceptions.RayActorError as exc:
+            self._lose(r, self._why_lost(r, exc))
+            return
+        except ray.exceptions.RayError as exc:  # the actor's poll itself failed on its node
+            self._lose(r, f"lost: its actor failed: {_first_line(exc)}")
+            return
+        r.unreachable_since, r.seen_at = None, time.time()
+        self._mirror(r, answer)
+
+    def _mirror(self, r: RankActor, answer: dict) -> None:
+        """Into the caller's run folder, in the order the rank wrote: output, stacks,
+        heartbeat, timings, result; the exit status last, once the rest is here."""
+        run, rank = self.run, r.rank
+        _append(run.log(rank), answer.get("log"))
+        _append(run.stacks(rank), answer.get("stacks"))
+        if answer.get("beat"):  # the caller's own clock: the nodes' may differ
+            _touch(run.heartbeat(rank))
+        if answer.get("started"):
+            r.started = True
+        if answer.get("timings"):
+            write_private(run.timings(rank), answer["timings"])
+        if answer.get("result") is not None:
+            write_private(run.result(rank), answer["result"])
+        if answer.get("exit") is not None:
+            r.exit, r.ended_at = answer["exit"], answer["ended_at"]
+            self._note(f"rank {rank} ({r.where}) exited with {_status(r.exit)}")
+
+    def _why_lost(self, r: RankActor, exc: BaseException) -> str:
+        """Whether Ray counts the rank's node as dead (a lost machine) or only its actor
+        (a killed process), with Ray's own words."""
+        import ray
+
+        alive = {n["NodeID"]: n.get("Alive") for n in ray.nodes()}
+        if alive.get(r.node_id) is False:
+            return f"lost with its node: Ray counts node {r.node_id[:8]} dead ({_first_line(exc)})"
+        return (f"lost: its Ray actor is gone (its node died, or the process was killed); "
+                f"Ray says {_first_line(exc)}")
+
+    def _lose(self, r: RankActor, why: str) -> None:
+        # dated when it was last heard of: a node that died before its peers' errors is
+        # their root cause, not their echo
+        r.lost, r.ended_at, r.pending = why, r.seen_at, None
+        self._note(f"rank {r.rank} ({r.where}) lost: {why}")
+
+    def _fail_fast(self) -> None:
+        """The first rank that fails or is lost stops the others: SIGTERM, then SIGKILL
+        after STOP_GRACE_SECONDS; a rank still not ended after that is lost."""
+        if self._stopping_since is None and any(r.failed for r in self.ranks):
+            failed = next(r for r in self.ranks if r.failed)
+            self._note(f"rank {failed.rank} failed: stopping the others")
+            self._stop()
+        if self._stopping_since is None:
+            return
+        waited = time.monotonic() - self._stopping_since
+        if waited > STOP_GRACE_SECONDS and not self._killed:
+            self._killed = True
+            self._signal_all(signal.SIGKILL)
+        if waited > STOP_GRACE_SECONDS + UNAVAILABLE_LOST_S:
+            for r in self.ranks:
+                if not r.final:
+                    self._lose(r, f"lost: it did not end within {UNAVAILABLE_LOST_S:g} s of SIGKILL")
+
+    def _stop(self) -> None:
+        if self._stopping_since is None:
+            self._stopping_since = time.monotonic()
+            self._signal_all(signal.SIGTERM)
+
+    def _signal_all(self, signum: int) -> None:
+        for r in self.ranks:
+            if not r.final:
+                r.actor.signal.remote(int(signum))
+
+    def _push_caller_files(self) -> None:
+        """Files the caller writes for its ranks (the MLflow run, a stop request after
+        SIGTERM) go to every node's run folder."""
+        for path in (self.run.tracking, self.run.stop_request):
+            if not path.exists():
+                continue
+            data = None
+            for r in self.ranks:
+                if path.name not in r.pushed and not r.final:
+                    data = data if data is not None else path.read_bytes()
+                    r.actor.push.remote(path.name, data)
+                    r.pushed.add(path.name)
+
+    def _finish(self, stopped: bool = False) -> None:
+        """Write the launcher's report (``agent.json``, as the local agent does), then tell
+        the supervisor that the job ended."""
+        failures = {}
+        for r in self.ranks:
+            if r.lost is not None:
+                failures[str(r.rank)] = {"lost": r.lost, "time": r.ended_at}
+            elif r.exit not in (None, 0):
+                failures[str(r.rank)] = {"exitcode": r.exit, "time": r.ended_at}
+        if stopped or self._stopped_by_caller:
+            state = "stopped"
+        else:
+            state = "failed" if failures else "succeeded"
+        self._report({"state": state, "failures": failures})
+        self.returncode = 0 if state == "succeeded" else 1
+        self._done.set()
+
+    # -- the launcher's own files ----------------------------------------------------------
+
+    def _report(self, report: dict) -> None:
+        # where each rank runs, read by the supervisor to name the node in failures
+        write_private(self.run.agent_report, json.dumps({**report, "hosts": self._hosts}).encode())
+
+    def _note(self, line: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        fd = os.open(self.run.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as log:
+            log.write(f"[{stamp}] {line}\n")
+
+    # -- for the monitor --------------------------------------------------------------------
+
+    def all_started(self) -> bool:
+        return bool(self.ranks) and all(r.started or r.final for r in self.ranks)
+
+    def collect_stacks(self, skip=()) -> dict[int, diagnosis.RankState | None]:
+        """Every live rank's stacks, asked of its actor (which signals the rank on its node
+        and waits for the dump), parsed as a local rank's are."""
+        import ray
+
+        asked = {r.rank: r.actor.stacks.remote(STACKS_WAIT_S) for r in self.ranks
+                 if r.started and not r.final and r.rank not in skip}
+        states: dict[int, diagnosis.RankState | None] = {r.rank: None for r in self.ranks}
+        if asked:
+            ray.wait(list(asked.values()), num_returns=len(asked), timeout=STACKS_WAIT_S + 2)
+        for rank, ref in asked.items():
+            try:
+                text = ray.get(ref, timeout=0)
+            except Exception:  # no answer in time, or the actor is gone: no stacks for it
+                continue
+            if text:
+                states[rank] = diagnosis.parse_dump(rank, text)
+        return states
+
+
+class RemoteMonitor(RunMonitor):
+    """The caller's eyes on ranks that run on other machines: progress and heartbeats come
+    from the mirrored files, stacks from the ranks' actors. Nothing is read from this
+    machine's /proc or cgroups: those would be another process's."""
+
+    def __init__(self, run: RunDir, world_size: int, job: RayJob):
+        super().__init__(run, world_size)
+        self.job = job
+
+    def sample(self) -> None:
+        if self.started_at is None and self.job.all_started():
+            self.started_at = time.time()
+
+    def pids(self) -> dict[int, int]:
+        return {}
+
+    def oom_kill_evidence(self, rank: int) -> str | None:
+        return None
+
+    def collect_stacks(self, skip=()) -> dict[int, diagnosis.RankState | None]:
+        return self.job.collect_stacks(skip)
+
+
+def _append(path, data: bytes | None) -> None:
+    if data:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def _touch(path) -> None:
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {line[:limit]}{'...' if len(line) > limit else ''}"
+
+
+def _quietly(fn, *args, **kwargs) -> None:
+    """Release steps that fail because their object is already gone (a dead actor, a removed
+    group) must not stop the other steps; anything else is printed."""
+    import ray
+
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, ray.exceptions.RayError):
+        pass
+    except Exception as exc:
+        print(f"gpufleet: releasing the Ray job: {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)

@@ -1,0 +1,495 @@
+"""The Ray launcher (``remote=True``): the ranks of a call on the GPUs of a Ray cluster.
+
+Ray places the ranks and ships code and packages; gpufleet keeps its launch contract on top.
+``place`` connects and decides how many ranks of which device; ``plan`` (pure) says what to
+ask Ray for: one bundle per rank (a GPU and a CPU), the strategy, the runtime_env, the
+variables every rank shares; ``launch`` creates the placement group and one actor per bundle
+(``_ray_node``), orders the ranks by node then GPU, checks the nodes' versions and starts the
+ranks. It returns a ``RayJob`` (``_ray_job``), which stands for the whole job where the
+supervisor expects an agent process. docs/design.md ("Cluster launcher (Ray)") has the why.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import pickle
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpufleet import _environ
+from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
+from gpufleet.hardware import CPU_DEFAULT_PROCESSES, Placement
+from gpufleet.launchers import _ray_env
+from gpufleet.launchers._ray_job import RankActor, RayJob
+from gpufleet.options import RunOptions
+from gpufleet.payload import write_private
+from gpufleet.rundir import RunDir
+
+CPUS_PER_RANK = 1  # reserved per bundle; Ray does not limit a process to it
+ACCELERATOR_SHARE = 0.001  # of a node's accelerator_type resource: pins bundles to that model
+WAIT_NOTICE_S = 2.0  # a placement that takes longer is announced (the GPUs are busy)
+SETUP_NOTICE_S = 10.0  # a set-up that takes longer is announced (pip on the nodes, say)
+WAIT_REPEAT_S = 30.0
+CLUSTER_FILE = "cluster.json"  # in the run folder: where each rank ran, and the launch's phases
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK",
+              "strict_spread": "STRICT_SPREAD"}
+
+
+@dataclass(frozen=True)
+class ClusterPlacement(Placement):
+    """Where the ranks of a remote run go: ``nprocs`` bundles in the cluster at ``address``."""
+
+    address: str = ""
+    accelerator: str | None = None  # Ray's accelerator type that gpu_type resolved to
+
+    def describe(self) -> str:
+        if self.device == "cpu":
+            noun = "process" if self.nprocs == 1 else "processes"
+            return (f"no GPU in the Ray cluster at {self.address}: running {self.nprocs} CPU "
+                    f"{noun} with gloo")
+        return f"{self.nprocs} GPUs of the Ray cluster at {self.address}"
+
+
+@dataclass(frozen=True)
+class RayPlan:
+    """What ``launch`` asks Ray for."""
+
+    bundles: list[dict]
+    strategy: str  # Ray's name: "PACK", ...
+    env: dict[str, str]  # every rank's variables but those of its position (``rank_env``)
+    runtime_env: dict  # with local paths, uploaded by ``launch``
+    notes: list[str]  # printed once the run starts
+    placement: ClusterPlacement
+    placement_timeout: float
+    timeout: float | None  # the call's, for messages
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.bundles)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One rank's place: its bundle (and actor), node and GPU."""
+
+    rank: int
+    bundle: int
+    node_rank: int
+    local_rank: int
+    local_world_size: int
+    nnodes: int
+    node: dict  # the actor's description of its node (``_ray_node.RankNode.describe``)
+
+    @property
+    def where(self) -> str:
+        return f"node {self.node_rank}: {self.node['hostname']} {self.node['ip']}"
+
+
+# -- connect and place ----------------------------------------------------------------------
+
+
+def connect(address: str | None):
+    """This process's Ray connection: the one it has, else ``address``, else RAY_ADDRESS,
+    else a new local Ray instance. It stays open after the call, as a notebook's would."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            f"remote=True runs on Ray, which is not installed here ({exc}); "
+            "pip install 'gpufleet[ray]', or pass remote=False to run on this machine"
+        ) from exc
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if address not in (None, "auto", current):
+            raise ConfigError(
+                f"ray_address={address!r}, but this process is already connected to the Ray "
+                f"cluster at {current} and a process holds one connection; pass "
+                f"ray_address={current!r} (or None), or call ray.shutdown() first"
+            )
+        return ray
+    wanted = address or _environ.ray_address()
+    options = {"address": wanted or "local", "logging_level": logging.WARNING}
+    if wanted is None:
+        options["include_dashboard"] = False  # seconds and memory that a local run never uses
+    try:
+        ray.init(**options)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        where = f"connect to the Ray cluster at {wanted!r}" if wanted else "start a local Ray instance"
+        raise ConfigError(
+            f"cannot {where}: {exc}; check ray_address= or RAY_ADDRESS (`ray status` on the "
+            "head node prints the address)"
+        ) from exc
+    return ray
+
+
+def place(options: RunOptions) -> ClusterPlacement:
+    """How many ranks of which device, or ConfigError when the cluster can never hold them."""
+    ray = connect(options.ray_address)
+    address = ray.get_runtime_context().gcs_address
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if not any(n["Resources"].get("GPU", 0) >= 1 for n in nodes):
+        if options.gpu_type:
+            raise ConfigError(
+                f"gpu_type={options.gpu_type!r} was asked for but the Ray cluster at {address} "
+                "has no GPU; drop gpu_type to run CPU processes with gloo, or add GPU nodes"
+            )
+        nprocs = options.gpus or CPU_DEFAULT_PROCESSES
+        check_fits(nprocs, _capacities(nodes, None, gpus=False), options.placement, address, "CPU")
+        return ClusterPlacement(device="cpu", nprocs=nprocs, address=address)
+    accelerator = _accelerator(options.gpu_type, nodes, address) if options.gpu_type else None
+    capacities = _capacities(nodes, accelerator, gpus=True)
+    nprocs = options.gpus or sum(capacities.values())
+    check_fits(nprocs, capacities, options.placement, address, "GPU")
+    return ClusterPlacement(
+        device="cuda", nprocs=nprocs, address=address, accelerator=accelerator,
+        gpu_names=(accelerator,) * nprocs if accelerator else (),
+    )
+
+
+def _capacities(nodes: list[dict], accelerator: str | None, gpus: bool) -> dict[str, int]:
+    """How many ranks each node can hold: its GPUs (of the asked model), and a CPU each."""
+    found = {}
+    for node in nodes:
+        resources = node["Resources"]
+        if accelerator and f"accelerator_type:{accelerator}" not in resources:
+            continue
+        slots = int(resources.get("CPU", 0) // CPUS_PER_RANK)
+        if gpus:
+            slots = min(slots, int(resources.get("GPU", 0)))
+        label = f"{node['NodeManagerAddress']} [{node['NodeID'][:8]}]"
+        found[label] = slots
+    return found
+
+
+def check_fits(
+    nprocs: int, capacities: dict[str, int], placement: str, address: str, unit: str
+) -> None:
+    """ConfigError unless ``nprocs`` ranks fit the cluster's nodes at all under ``placement``
+    (whether the GPUs are free now is the placement group's wait)."""
+    per_node = ", ".join(f"{label}: {n}" for label, n in capacities.items()) or "no nodes"
+    where = f"the Ray cluster at {address} ({unit}s per node: {per_node})"
+    total = sum(capacities.values())
+    if placement == "strict_pack" and max(capacities.values(), default=0) < nprocs:
+        raise ConfigError(
+            f"gpus={nprocs} with placement='strict_pack' needs one node with {nprocs} {unit}s; "
+            f"{where} has none that large. Use placement='pack' to span nodes, or fewer gpus"
+        )
+    if placement == "strict_spread" and sum(n > 0 for n in capacities.values()) < nprocs:
+        raise ConfigError(
+            f"gpus={nprocs} with placement='strict_spread' needs {nprocs} nodes with a {unit} "
+            f"each; {where} has fewer. Use placement='spread', or fewer gpus"
+        )
+    if total < nprocs:
+        raise ConfigError(
+            f"gpus={nprocs} but {where} has {total} {unit}{'s' if total != 1 else ''} for ranks "
+            f"in all; use gpus={total} or fewer, gpus=None for all of them, or add nodes"
+        )
+
+
+def _accelerator(gpu_type: str, nodes: list[dict], address: str) -> str:
+    """The accelerator type Ray reports (``accelerator_type:H100``) that ``gpu_type`` names."""
+    kinds = sorted({key.split(":", 1)[1] for n in nodes for key in n["Resources"]
+                    if key.startswith("accelerator_type:")})
+    pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(gpu_type)}(?![A-Za-z0-9])", re.IGNORECASE)
+    matches = [k for k in kinds if pattern.search(k)]
+    exact = [k for k in matches if k.lower() == gpu_type.lower()]
+    if exact or len(matches) == 1:
+        return (exact or matches)[0]
+    found = ", ".join(kinds) or "no accelerator type"
+    if not matches:
+        raise ConfigError(
+            f"gpu_type={gpu_type!r} does not match the GPUs of the Ray cluster at {address}: "
+            f"Ray reports {found}; set gpu_type to one of them, or None to skip the check"
+        )
+    raise ConfigError(
+        f"gpu_type={gpu_type!r} matches several GPU models of the Ray cluster at {address} "
+        f"({', '.join(matches)}); set gpu_type to one of them"
+    )
+
+
+# -- plan -----------------------------------------------------------------------------------
+
+
+def plan(
+    run: RunDir, placement: ClusterPlacement, options: RunOptions, attempt: int = 0,
+    extra_env: dict[str, str] | None = None,
+) -> RayPlan:
+    """What to ask Ray for. The rank variables wait for the layout (``rank_env``); the
+    caller's environment is not copied: a node's own variables are the right ones there,
+    and ``env=`` passes what the ranks need."""
+    bundle: dict[str, float] = {"CPU": CPUS_PER_RANK}
+    if placement.device == "cuda":
+        bundle["GPU"] = 1
+    if placement.accelerator:
+        bundle[f"accelerator_type:{placement.accelerator}"] = ACCELERATOR_SHARE
+    env = dict(extra_env or {})
+    env.update(options.env)
+    env.update({
+        _environ.DEVICE: placement.device,
+        _environ.ATTEMPT: str(attempt),
+        "PYTHONUNBUFFERED": "1",
+    })
+    runtime_env, notes = _ray_env.build(options, Path.cwd())
+    return RayPlan(
+        bundles=[dict(bundle) for _ in range(placement.nprocs)],
+        strategy=STRATEGIES[options.placement],
+        env=env,
+        runtime_env=runtime_env,
+        notes=notes,
+        placement=placement,
+        placement_timeout=options.placement_timeout,
+        timeout=options.timeout,
+    )
+
+
+def order_ranks(described: list[dict]) -> list[Slot]:
+    """Ranks ordered by node (by address, then Ray's node id), then by GPU id: the bundles
+    of one node get consecutive ranks, and local rank N holds the node's N-th GPU of the run."""
+    by_node: dict[str, list[int]] = {}
+    for bundle, node in enumerate(described):
+        by_node.setdefault(node["node_id"], []).append(bundle)
+    nodes = sorted(by_node, key=lambda n: (_address_key(described[by_node[n][0]]["ip"]), n))
+    slots = []
+    for node_rank, node_id in enumerate(nodes):
+        bundles = sorted(by_node[node_id], key=lambda b: (_gpu_key(described[b]["gpus"]), b))
+        for local_rank, bundle in enumerate(bundles):
+            slots.append(Slot(
+                rank=len(slots), bundle=bundle, node_rank=node_rank, local_rank=local_rank,
+                local_world_size=len(bundles), nnodes=len(nodes), node=described[bundle],
+            ))
+    return slots
+
+
+def rank_env(
+    base: dict[str, str], slot: Slot, slots: list[Slot], master_port: int, run_id: str
+) -> dict[str, str]:
+    """One rank's variables: torchrun's, with MASTER_ADDR on rank 0's node; the node's GPUs
+    of this run visible in local-rank order (so cuda:LOCAL_RANK is the rank's own GPU, as
+    under torchrun); gloo and NCCL on the interface Ray reaches the node through."""
+    env = dict(base)
+    node = slot.node
+    env.setdefault("OMP_NUM_THREADS", str(max(1, node["cpus"] // slot.local_world_size)))
+    if node["interface"]:
+        env.setdefault("GLOO_SOCKET_IFNAME", node["interface"])
+        env.setdefault("NCCL_SOCKET_IFNAME", node["interface"])
+    gpus = [g for s in slots if s.node_rank == slot.node_rank for g in s.node["gpus"]]
+    if gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.update({
+        "RANK": str(slot.rank),
+        "LOCAL_RANK": str(slot.local_rank),
+        "WORLD_SIZE": str(len(slots)),
+        "LOCAL_WORLD_SIZE": str(slot.local_world_size),
+        "GROUP_RANK": str(slot.node_rank),
+        "NODE_RANK": str(slot.node_rank),
+        "GROUP_WORLD_SIZE": str(slot.nnodes),
+        "ROLE_NAME": "gpufleet",
+        "ROLE_RANK": str(slot.rank),
+        "ROLE_WORLD_SIZE": str(len(slots)),
+        "MASTER_ADDR": slots[0].node["ip"],
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+    })
+    return env
+
+
+def _address_key(ip: str) -> tuple:
+    try:
+        parsed = ipaddress.ip_address(ip)
+        return (parsed.version, int(parsed))
+    except ValueError:
+        return (9, ip)
+
+
+def _gpu_key(gpus: list[str]) -> tuple:
+    if not gpus:
+        return (2, "")
+    return (0, int(gpus[0])) if gpus[0].isdigit() else (1, gpus[0])
+
+
+# -- launch ---------------------------------------------------------------------------------
+
+
+def launch(launch_plan: RayPlan, run: RunDir, deadline: float | None = None) -> RayJob:
+    """Place, start and return the job; on any failure (Ctrl-C too) release what was made."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    for note in launch_plan.notes:
+        print(f"gpufleet: {note}", file=sys.stderr, flush=True)
+    runtime_env = _ray_env.upload(launch_plan.runtime_env)
+    payload = ray.put(_without_caller_path(run.payload.read_bytes()))
+    phases = {"started": time.time()}
+    job = RayJob(run)
+    try:
+        job.group = placement_group(launch_plan.bundles, strategy=launch_plan.strategy,
+                                    name=f"gpufleet-{run.name}")
+        _wait_for_placement(ray, job.group, launch_plan, run, deadline)
+        phases["placed"] = time.time()
+        job.actors = _create_actors(ray, job.group, launch_plan, runtime_env)
+        described = _gather(ray, [a.describe.remote() for a in job.actors], launch_plan, run, deadline,
+                            "setting up the ranks' actors (runtime_env: modules, working directory, pip)")
+        slots = order_ranks(described)
+        _ray_env.check_versions({s.where: s.node for s in slots if s.local_rank == 0})
+        phases["actors_ready"] = time.time()
+        ranks = _start_ranks(ray, job.actors, slots, launch_plan, run, payload, deadline)
+        phases["ranks_started"] = time.time()
+        _record_layout(run, launch_plan, slots, ranks, job.group, phases)
+        return job.start(ranks)
+    except BaseException:
+        job.release()
+        raise
+
+
+def _wait_for_placement(ray, group, launch_plan: RayPlan, run: RunDir, deadline: float | None) -> None:
+    """Wait until the cluster has room for every bundle, saying so when it takes a while;
+    placement_timeout (or the call's timeout) ends the wait with an error."""
+    ready = group.ready()
+    started = time.monotonic()
+    notice = started + WAIT_NOTICE_S
+    while not ray.wait([ready], timeout=0.2)[0]:
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            raise _timeout(launch_plan, run, f"timed out after timeout={launch_plan.timeout:g} s "
+                           f"while waiting for {_wanted(launch_plan)} in the Ray cluster; "
+                           "pass a larger timeout=")
+        if now - started > launch_plan.placement_timeout:
+            raise _timeout(launch_plan, run, (
+                f"waited placement_timeout={launch_plan.placement_timeout:g} s for "
+                f"{_wanted(launch_plan)} in the Ray cluster at {launch_plan.placement.address} "
+                f"({_free(ray, launch_plan)}); free some (other jobs or placement groups hold "
+                "them), add nodes, or pass a larger placement_timeout="
+            ))
+        if now > notice:
+            print(f"gpufleet: waiting for {_wanted(launch_plan)} in the Ray cluster "
+                  f"({_free(ray, launch_plan)}); up to placement_timeout="
+                  f"{launch_plan.placement_timeout:g} s", file=sys.stderr, flush=True)
+            notice = now + WAIT_REPEAT_S
+    ray.get(ready)
+
+
+def _create_actors(ray, group, launch_plan: RayPlan, runtime_env: dict) -> list:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from gpufleet.launchers._ray_node import RankNode
+
+    actor_class = ray.remote(RankNode)
+    bundle = launch_plan.bundles[0]
+    extra = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    return [
+        actor_class.options(
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), resources=extra or None,
+            max_restarts=0, runtime_env=runtime_env,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+        ).remote()
+        for i in range(launch_plan.nprocs)
+    ]
+
+
+def _start_ranks(ray, actors: list, slots: list[Slot], launch_plan: RayPlan, run: RunDir, payload,
+                 deadline: float | None) -> list[RankActor]:
+    """A free port on rank 0's node, then every rank with its variables."""
+    first = slots[0]
+    port = _gather(ray, [actors[first.bundle].free_port.remote(first.node["ip"])], launch_plan, run,
+                   deadline, "choosing MASTER_PORT")[0]
+    starts = [
+        actors[s.bundle].start.remote(
+            run.name, s.rank, rank_env(launch_plan.env, s, slots, port, run.name), payload)
+        for s in slots
+    ]
+    pids = _gather(ray, starts, launch_plan, run, deadline, "starting the ranks")
+    return [RankActor(rank=s.rank, actor=actors[s.bundle], bundle=s.bundle, where=s.where,
+                      node_id=s.node["node_id"], pid=pid)
+            for s, pid in zip(slots, pids)]
+
+
+def _gather(ray, refs: list, launch_plan: RayPlan, run: RunDir, deadline: float | None,
+            what: str) -> list:
+    """The values of ``refs``: bounded by the call's deadline, announced when slow (a pip
+    install on the nodes takes minutes), with Ray's errors turned into gpufleet's."""
+    notice = time.monotonic() + SETUP_NOTICE_S
+    while ray.wait(refs, num_returns=len(refs), timeout=0.2)[1]:
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            raise _timeout(launch_plan, run, f"timed out after timeout={launch_plan.timeout:g} s "
+                           f"while {what}; pass a larger timeout=")
+        if now > notice:
+            print(f"gpufleet: {what} ...", file=sys.stderr, flush=True)
+            notice = now + WAIT_REPEAT_S
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RuntimeEnvSetupError as exc:
+        raise ConfigError(
+            f"Ray could not set up the ranks' runtime_env on the cluster: {exc}. Check pip= "
+            "and runtime_env= (the nodes' logs: /tmp/ray/session_latest/logs/runtime_env_*)"
+        ) from exc
+    except ray.exceptions.RayError as exc:  # an actor lost with its node, or a failed start
+        raise RunFailedError(
+            [], run_dir=run.path, world_size=launch_plan.nprocs,
+            headline=f"the Ray cluster failed while {what}: {type(exc).__name__}: {exc}",
+        ) from exc
+
+
+def _timeout(launch_plan: RayPlan, run: RunDir, headline: str) -> RunTimeoutError:
+    return RunTimeoutError([], run_dir=run.path, world_size=launch_plan.nprocs, headline=headline)
+
+
+def _wanted(launch_plan: RayPlan) -> str:
+    unit = "GPU" if launch_plan.placement.device == "cuda" else "CPU"
+    return f"{launch_plan.nprocs} {unit}{'s' if launch_plan.nprocs != 1 else ''}"
+
+
+def _free(ray, launch_plan: RayPlan) -> str:
+    unit = "GPU" if launch_plan.placement.device == "cuda" else "CPU"
+    total = ray.cluster_resources().get(unit, 0)
+    free = ray.available_resources().get(unit, 0)
+    return f"{unit}s: {total:g} in all, {free:g} free now"
+
+
+def _without_caller_path(payload: bytes) -> bytes:
+    """The call's payload without the caller's ``sys.path`` (payload.py: a pickle of
+    ``(context, call)``): on a node those folders do not exist, or hold other copies of the
+    code; there the code comes from the runtime_env."""
+    context, call = pickle.loads(payload)
+    return pickle.dumps(({**context, "sys_path": []}, call), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _record_layout(run: RunDir, launch_plan: RayPlan, slots: list[Slot], ranks: list[RankActor],
+                   group, phases: dict) -> None:
+    """``cluster.json`` in the run folder, and one line for the user."""
+    import json
+
+    layout = {
+        "address": launch_plan.placement.address,
+        "placement_group": group.id.hex(),
+        "strategy": launch_plan.strategy,
+        "phases": phases,
+        "ranks": [
+            {"rank": s.rank, "node_rank": s.node_rank, "local_rank": s.local_rank,
+             "local_world_size": s.local_world_size, "node_id": s.node["node_id"],
+             "ip": s.node["ip"], "hostname": s.node["hostname"], "gpus": s.node["gpus"],
+             "actor_pid": s.node["pid"], "pid": r.pid}
+            for s, r in zip(slots, ranks)
+        ],
+    }
+    write_private(run.path / CLUSTER_FILE, json.dumps(layout, indent=1).encode())
+    # the launch's instants, as the phases of the call's timings (timings.py)
+    write_private(run.agent_timings, json.dumps(
+        {"cluster_placed": phases["placed"], "cluster_actors_ready": phases["actors_ready"]}).encode())
+    nodes = []
+    for node_rank in range(slots[0].nnodes):
+        on = [s for s in slots if s.node_rank == node_rank]
+        gpus = ",".join(g for s in on for g in s.node["gpus"])
+        nodes.append(f"node {node_rank} {on[0].node['ip']}: ranks {on[0].rank}-{on[-1].rank}"
+                     + (f" (GPUs {gpus})" if gpus else ""))
+    print(f"gpufleet: {len(slots)} ranks on {len(nodes)} node{'s' if len(nodes) != 1 else ''} of "
+          f"the Ray cluster at {launch_plan.placement.address}: {'; '.join(nodes)}",
+          file=sys.stderr, flush=True)
