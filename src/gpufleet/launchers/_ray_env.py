@@ -21,7 +21,11 @@ from gpufleet.errors import ConfigError
 
 # The cluster's own packages: pinning the caller's copies would replace the nodes' builds
 # (a CPU torch onto GPU nodes, another Ray than the cluster runs).
-_CLUSTER_OWN = {"ray", "torch", "triton", "gpufleet", "pip", "setuptools", "wheel"}
+# What the cluster's image owns: Ray and what its workers run on, and torch with the builds
+# tied to its ABI and CUDA release; pinning the caller's copies would replace them.
+_CLUSTER_OWN = {"ray", "torch", "torchvision", "torchaudio", "triton", "xformers", "flash-attn",
+                "flash_attn", "deepspeed", "bitsandbytes", "grpcio", "protobuf", "pydantic",
+                "pydantic-core", "aiohttp", "gpufleet", "pip", "setuptools", "wheel"}
 _CLUSTER_OWN_PREFIXES = ("nvidia-",)
 _GPUFLEET_DIR = str(Path(gpufleet.__file__).resolve().parent)
 DEFAULT_EXCLUDES = ["__pycache__", "*.pyc", ".ipynb_checkpoints"]
@@ -98,7 +102,8 @@ def local_modules(skip_dir: Path | None) -> list[str]:
 def pip_snapshot() -> list[str]:
     """This environment's distributions as requirements (``name==version``, or ``name @ URL``
     for those installed from a URL), like a notebook's environment snapshot. Left out: the
-    cluster's own packages (Ray, torch and its CUDA libraries) and anything installed from a
+    cluster's own packages (Ray and what its workers run on, torch and builds tied to it), local
+    versions (``+cu124``) and anything installed from a
     local folder or file, editable installs included, which no other machine can install
     (ship such code with runtime_env={'py_modules': [...]})."""
     found: dict[str, str] = {}
@@ -116,7 +121,9 @@ def pip_snapshot() -> list[str]:
 def _requirement(name: str, dist) -> str | None:
     origin = dist.read_text("direct_url.json")
     if not origin:
-        return f"{name}=={dist.version}"
+        # a local version (torchvision 0.21.0+cu124) names a build from some other index:
+        # the nodes keep theirs
+        return None if "+" in dist.version else f"{name}=={dist.version}"
     info = json.loads(origin)
     url = info.get("url", "")
     if url.startswith("file:"):
@@ -132,10 +139,18 @@ def upload(runtime_env: dict) -> dict:
     URIs in their place. Ray takes local paths only in ``ray.init``'s job-wide runtime_env; a
     call that joins a connection made earlier (a notebook's) must upload them itself, with the
     functions ``ray.init`` uses."""
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    import ray
+    from ray.exceptions import RuntimeEnvSetupError
     from ray.runtime_env import RuntimeEnv
 
+    try:  # the helpers ray.init uses; private, so checked
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    except ImportError as exc:
+        raise ConfigError(
+            f"this Ray ({ray.__version__}) lacks the runtime_env upload gpufleet uses ({exc}); "
+            "install the Ray release gpufleet supports: pip install 'gpufleet[ray]'"
+        ) from exc
     try:
         with tempfile.TemporaryDirectory(prefix="gpufleet-upload-") as scratch:
             options = {"include_gitignore": True, "scratch_dir": scratch}
@@ -143,7 +158,7 @@ def upload(runtime_env: dict) -> dict:
             env = upload_working_dir_if_needed(env, **options)
         env.pop("excludes", None)  # applied while packing
         RuntimeEnv(**env)  # Ray's own validation, before anything starts
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, TypeError, OSError, RuntimeEnvSetupError) as exc:
         raise ConfigError(
             f"the runtime_env for the cluster cannot be built: {type(exc).__name__}: {exc}. "
             "Large folders: add them to .gitignore or runtime_env={'excludes': [...]}; "

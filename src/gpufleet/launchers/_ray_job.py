@@ -32,6 +32,7 @@ STOP_GRACE_SECONDS = 5.0  # SIGTERM, then SIGKILL: as elastic's agent does local
 UNAVAILABLE_LOST_S = 3.0  # an actor Ray cannot reach this long is lost with its node
 SILENT_LOST_S = 15.0  # an actor that does not answer a poll this long is lost too
 RELEASE_WAIT_S = 5.0
+CLOSE_MARGIN_S = 2.0  # beyond a node's own wait for its rank to exit (_ray_node.CLOSE_WAIT_S)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RankActor:
     exit: int | None = None
     ended_at: float = 0.0
     lost: str | None = None  # why it counts as lost
+    actor_dead: bool = False  # Ray reported its actor dead (nothing left to close)
     pushed: set = field(default_factory=set)  # caller files handed to it
 
     @property
@@ -113,27 +115,33 @@ class RayJob:
     def release(self) -> None:
         """Kill every rank and actor of the job and remove its placement group; idempotent,
         bounded in time, and safe from any thread."""
-        with self._release_lock:
-            if self._released:
-                return
-            self._released = True
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        self._quit.set()
-        if self._pump_thread.is_alive():
-            self._pump_thread.join(RELEASE_WAIT_S)
-        if self.returncode is None:
-            self._finish(stopped=True)
-        lost = {r.bundle for r in self.ranks if r.lost is not None}
-        closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in lost]
-        if closes:  # each kills its rank's processes and removes its node's copy of the run
-            ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S)
-        for actor in self.actors:
-            _quietly(ray.kill, actor, no_restart=True)
-        if self.group is not None:
-            _quietly(remove_placement_group, self.group)
-        self._note("released the actors and the placement group")
+        with self._release_lock:  # a second release (a second Ctrl-C) waits for the first
+            if self._released:
+                return
+            try:
+                self._quit.set()
+                if self._pump_thread.is_alive():
+                    self._pump_thread.join(RELEASE_WAIT_S)
+                if self.returncode is None:
+                    _quietly(self._finish, stopped=True)
+                gone = {r.bundle for r in self.ranks if r.lost is not None and r.actor_dead}
+                closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in gone]
+                if closes:  # each kills its rank's processes and removes its node's copy of the run
+                    ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S + CLOSE_MARGIN_S)
+            finally:  # whatever happened above, the GPUs are given back
+                for actor in self.actors:
+                    _quietly(ray.kill, actor, no_restart=True)
+                group = self.group or _named_group(f"gpufleet-{self.run.name}")
+                if group is not None:  # also one made just before a Ctrl-C stopped the launch
+                    _quietly(remove_placement_group, group)
+                self._released = True
+                if self.returncode is None:  # the report could not be written: still end
+                    self.returncode = 1
+                    self._done.set()
+        _quietly(self._note, "released the actors and the placement group")
 
     # -- the pump ---------------------------------------------------------------------------
 
@@ -164,7 +172,9 @@ class RayJob:
             if r.pending is None:
                 r.pending, r.asked_at = r.actor.poll.remote(), now
         refs = [r.pending for r in live]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PUMP_SECONDS)
+        # ready once the actor answered, wherever the answer is: a large result still on its
+        # way here must not count as silence
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PUMP_SECONDS, fetch_local=False)
         ready = set(ready)
         for r in live:
             if r.pending in ready:
@@ -187,6 +197,7 @@ class RayJob:
                 self._lose(r, self._why_lost(r, exc))
             return
         except ray.exceptions.RayActorError as exc:
+            r.actor_dead = True
             self._lose(r, self._why_lost(r, exc))
             return
         except ray.exceptions.RayError as exc:  # the actor's poll itself failed on its node
@@ -219,10 +230,12 @@ class RayJob:
         import ray
 
         alive = {n["NodeID"]: n.get("Alive") for n in ray.nodes()}
+        said = _ray_reason(exc)
+        if getattr(exc, "preempted", False):
+            return f"lost with its node: Ray says the node was preempted ({said})"
         if alive.get(r.node_id) is False:
-            return f"lost with its node: Ray counts node {r.node_id[:8]} dead ({_first_line(exc)})"
-        return (f"lost: its Ray actor is gone (its node died, or the process was killed); "
-                f"Ray says {_first_line(exc)}")
+            return f"lost with its node: Ray counts node {r.node_id[:8]} dead ({said})"
+        return f"lost: its Ray actor is gone (its node died, or the process was killed); Ray says {said}"
 
     def _lose(self, r: RankActor, why: str) -> None:
         # dated when it was last heard of: a node that died before its peers' errors is
@@ -377,6 +390,24 @@ def _first_line(exc: BaseException, limit: int = 160) -> str:
     text = str(exc).strip()
     line = text.splitlines()[0] if text else ""
     return f"{type(exc).__name__}: {line[:limit]}{'...' if len(line) > limit else ''}"
+
+
+def _named_group(name: str):
+    from ray.util import get_placement_group
+
+    try:
+        return get_placement_group(name)
+    except ValueError:  # never made
+        return None
+
+
+def _ray_reason(exc: BaseException, limit: int = 400) -> str:
+    """Ray's account of a dead actor: its first line, and the line with the cause (out of
+    memory, node drained or preempted, worker exit) when Ray gives one."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    cause = next((line for line in lines[1:] if "error_message" in line or "reason" in line.lower()), "")
+    text = " ".join(part for part in (lines[0] if lines else "", cause) if part)
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def _quietly(fn, *args, **kwargs) -> None:

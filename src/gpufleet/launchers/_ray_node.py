@@ -31,6 +31,7 @@ from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
 ENTRY = "gpufleet.launchers._ray_node"
+NODE_DEFAULTS = "GPUFLEET_NODE_DEFAULTS"  # names in a rank's env that the node's own values override
 CHUNK_BYTES = 4 * 2**20  # of one log per answer: a chatty rank cannot make one huge message
 CLOSE_WAIT_S = 5.0
 CALLER_FILES = ("tracking.json", "stop-requested")  # what the caller writes for its ranks
@@ -86,7 +87,9 @@ class RankNode:
         write_private(self._run.payload, payload)
         environ = _environ.snapshot()  # the node's environment, as the actor has it
         environ.pop("PYTHONBREAKPOINT", None)  # Ray's debugger hook, for Ray's own workers only
-        environ.update(env)
+        env = dict(env)
+        defaults = set(filter(None, env.pop(NODE_DEFAULTS, "").split(",")))
+        environ.update({k: v for k, v in env.items() if not (k in defaults and k in environ)})
         environ[_environ.RUN_DIR] = str(self._run.path)
         environ[_environ.PARENT_PID] = str(os.getpid())
         log = os.open(self._run.log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -25,6 +25,7 @@ from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
 from gpufleet.hardware import CPU_DEFAULT_PROCESSES, Placement
 from gpufleet.launchers import _ray_env
 from gpufleet.launchers._ray_job import RankActor, RayJob
+from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
@@ -92,9 +93,13 @@ class Slot:
 # -- connect and place ----------------------------------------------------------------------
 
 
+_connected_with: str | None = None  # the address this process's connection was made with
+
+
 def connect(address: str | None):
     """This process's Ray connection: the one it has, else ``address``, else RAY_ADDRESS,
     else a new local Ray instance. It stays open after the call, as a notebook's would."""
+    global _connected_with
     try:
         import ray
     except ImportError as exc:
@@ -104,7 +109,10 @@ def connect(address: str | None):
         ) from exc
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
-        if address not in (None, "auto", current):
+        # Ray rewrites the address it was given (localhost becomes the node's IP, a ray://
+        # client address is not the cluster's GCS address): the one gpufleet connected with
+        # counts as the same
+        if address not in (None, "auto", current, _connected_with):
             raise ConfigError(
                 f"ray_address={address!r}, but this process is already connected to the Ray "
                 f"cluster at {current} and a process holds one connection; pass "
@@ -117,6 +125,7 @@ def connect(address: str | None):
         options["include_dashboard"] = False  # seconds and memory that a local run never uses
     try:
         ray.init(**options)
+        _connected_with = wanted
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = f"connect to the Ray cluster at {wanted!r}" if wanted else "start a local Ray instance"
         raise ConfigError(
@@ -273,13 +282,17 @@ def rank_env(
     env = dict(base)
     node = slot.node
     env.setdefault("OMP_NUM_THREADS", str(max(1, node["cpus"] // slot.local_world_size)))
+    # gpufleet's choices that a node's own setting overrides (a cluster image may name its
+    # NCCL interfaces); env= overrides both
+    defaults = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     if node["interface"]:
-        env.setdefault("GLOO_SOCKET_IFNAME", node["interface"])
-        env.setdefault("NCCL_SOCKET_IFNAME", node["interface"])
+        defaults.update(GLOO_SOCKET_IFNAME=node["interface"], NCCL_SOCKET_IFNAME=node["interface"])
+    defaults = {name: value for name, value in defaults.items() if name not in base}
+    env.update(defaults)
+    env[NODE_DEFAULTS] = ",".join(sorted(defaults))
     gpus = [g for s in slots if s.node_rank == slot.node_rank for g in s.node["gpus"]]
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.update({
         "RANK": str(slot.rank),
         "LOCAL_RANK": str(slot.local_rank),
