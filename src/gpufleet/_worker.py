@@ -61,10 +61,14 @@ def main(run_dir: str) -> None:
 def _leave_the_template() -> None:
     """What a fork inherits from the template but a rank must not share with it: the
     forkserver's keep-alive pipe (held by a rank, it would keep the template alive after the
-    agent died; user code that starts its own forkserver gets a fresh one), and torch's
-    random generator state (the same in every rank; a process of its own seeds from the OS)."""
+    agent died; user code that starts its own forkserver gets a fresh one), multiprocessing's
+    start method (the template's is "forkserver"; a process of its own has the platform's
+    default, which DataLoader workers rely on), and torch's random generator state (the same
+    in every rank; a process of its own seeds from the OS)."""
+    import multiprocessing
     from multiprocessing import forkserver
 
+    multiprocessing.set_start_method(None, force=True)
     server = forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
