@@ -12,7 +12,6 @@ rank's process runs it too.
 from __future__ import annotations
 
 import fcntl
-import importlib.metadata
 import os
 import platform
 import shutil
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 from gpufleet import _environ, _process
+from gpufleet.launchers._ray_env import _version
 from gpufleet.monitor import _dump_since
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
@@ -210,13 +210,6 @@ def _cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _size(path: Path) -> int:
