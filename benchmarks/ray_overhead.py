@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -111,15 +110,10 @@ def measure(launcher: str, nprocs: int, reps: int) -> dict | str:
 
 def hardware() -> str:
     import ray
-    import torch
 
-    if torch.cuda.is_available():
-        names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
-        gpus = f"{torch.cuda.device_count()} × {', '.join(names)}"
-    else:
-        gpus = "no GPU (gloo on CPU)"
-    return (f"{gpus}; {os.cpu_count()} CPU cores; {platform.platform()}; "
-            f"Python {platform.python_version()}; torch {torch.__version__}; Ray {ray.__version__}")
+    from launch_overhead import hardware as machine  # this script's neighbour
+
+    return f"{machine()}; Ray {ray.__version__}"
 
 
 def report(nprocs: int, reps: int) -> str:
