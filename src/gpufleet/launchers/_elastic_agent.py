@@ -65,6 +65,7 @@ def _launch(run: RunDir, nprocs: int) -> dict:
     try:
         _register_loopback_rendezvous()
         _plain_tracebacks()
+        _report_every_failed_rank()
         timings.mark("launcher_ready")
         timings.write_rank(run.agent_timings)
         elastic_launch(_config(run, nprocs), _worker.main)(str(run.path))
@@ -127,6 +128,33 @@ def _plain_tracebacks() -> None:
 
     # the logger that reports a failed rank (a logger's filter sees the records made there)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(PlainTraceback())
+
+
+def _report_every_failed_rank() -> None:
+    """With ranks forked from the template, elastic reports only the rank whose failure it saw
+    first, though it knows how every rank ended. A rank that died by itself at about the same
+    time (the OOM killer's SIGKILL) must be reported as such, not as stopped: the others'
+    exit codes are added to the failures (SIGTERM: stopped by elastic)."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    poll = api.MultiprocessContext._poll
+
+    def poll_every_rank(self):
+        result = poll(self)
+        processes = getattr(getattr(self, "_pc", None), "processes", None)
+        if result is None or not result.failures or processes is None:
+            return result
+        for local_rank, process in enumerate(processes):
+            code = process.exitcode
+            if local_rank not in result.failures and code not in (0, None):
+                result.failures[local_rank] = ProcessFailure(
+                    local_rank=local_rank, pid=process.pid, exitcode=code,
+                    error_file=self.error_files[local_rank],
+                )
+        return result
+
+    api.MultiprocessContext._poll = poll_every_rank
 
 
 def _register_loopback_rendezvous() -> None:
