@@ -36,6 +36,13 @@ def alive(pid: int | None) -> bool:
     return True
 
 
+def kill_groups(pids) -> None:
+    """Signal (SIGKILL) the process group of every pid given; None entries are skipped."""
+    for pid in pids:
+        if pid is not None:
+            kill_group(pid)
+
+
 def kill_group(pgid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
     """Signal a whole process group; False when nothing of it is left."""
     try:

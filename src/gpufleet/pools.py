@@ -29,7 +29,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.hardware import Placement
 from gpufleet.launchers import local
 from gpufleet.options import RunOptions
-from gpufleet.rundir import RunDir, read_pid
+from gpufleet.rundir import RunDir, rank_pids
 from gpufleet.supervisor import Preemption, Supervisor
 
 CLOSE_GRACE_SECONDS = 10.0
@@ -258,10 +258,7 @@ class _Ranks:
             self.agent.wait(CLOSE_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-        for rank in range(self.nprocs):
-            pid = read_pid(self.folder.pid_file(rank))
-            if pid is not None:
-                _process.kill_group(pid)
+        _process.kill_groups(rank_pids(self.folder, self.nprocs))
         _process.kill_group(self.agent.pid)
         self.agent.wait()
 

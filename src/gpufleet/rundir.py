@@ -107,6 +107,11 @@ class RunDir:
         return self.path / "stop-requested"
 
 
+def rank_pids(run: "RunDir", nprocs: int) -> list[int | None]:
+    """Each rank's pid from its pid file (None where not written yet)."""
+    return [read_pid(run.pid_file(rank)) for rank in range(nprocs)]
+
+
 def read_pid(path: Path) -> int | None:
     """The pid in a rank's pid file; None until the rank has written it."""
     try:

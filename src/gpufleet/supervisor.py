@@ -25,7 +25,7 @@ from gpufleet.logs import LogFollower, tail_lines
 from gpufleet.monitor import RunMonitor
 from gpufleet.options import RunOptions
 from gpufleet.payload import load_private, write_private
-from gpufleet.rundir import RunDir, read_pid
+from gpufleet.rundir import RunDir, rank_pids
 from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
 
 POLL_SECONDS = 0.05
@@ -253,10 +253,7 @@ class Supervisor:
         if getattr(self.agent, "remote", False):
             self.agent.release()
             return
-        for rank in range(self.world_size):
-            pid = read_pid(self.run.pid_file(rank))
-            if pid is not None:
-                _process.kill_group(pid)
+        _process.kill_groups(rank_pids(self.run, self.world_size))
         _process.kill_group(self.agent.pid)
         self.agent.wait()
         _make_private(self.run.nccl_traces.parent)  # PyTorch writes its dumps with the umask

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from gpufleet import _environ, _process, _worker, timings
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir, read_pid
+from gpufleet.rundir import RunDir, rank_pids
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
@@ -83,10 +83,7 @@ def _launch(run: RunDir, nprocs: int) -> dict:
 def _end_rank_groups(run: RunDir, nprocs: int) -> None:
     """Elastic stops a rank it forked by its pid alone; what the rank started (loader
     workers, compilers, user subprocesses) shares the rank's process group and ends here."""
-    for rank in range(nprocs):
-        pid = read_pid(run.pid_file(rank))
-        if pid is not None:
-            _process.kill_group(pid)
+    _process.kill_groups(rank_pids(run, nprocs))
 
 
 def _config(run: RunDir, nprocs: int):
