@@ -120,7 +120,15 @@ class DescendantSampler:
 
 
 def run_folders(runs_dir: Path) -> list[Path]:
-    return sorted(p for p in runs_dir.iterdir() if p.is_dir()) if runs_dir.exists() else []
+    """The folder of every attempt of every run (``<id>/attempt-N``), and any other folder
+    under runs_dir (a run without attempts, a pool's)."""
+    if not runs_dir.exists():
+        return []
+    found = []
+    for folder in sorted(p for p in runs_dir.iterdir() if p.is_dir()):
+        attempts = sorted(folder.glob("attempt-*"))
+        found += attempts or [folder]
+    return found
 
 
 def line_of(path: str | Path, marker: str) -> int:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gpufleet import ConfigError, RunFailedError, distributed, runtime
+from support import run_folders
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,7 +60,7 @@ def test_a_crash_is_retried_and_resumes_from_the_last_checkpoint(runs_dir, tmp_p
     assert [r["start"] for r in results] == [3, 3], "the retry did not resume from step 3"
     err = capfd.readouterr().err
     assert "attempt 1 of 3 failed" in err and "rank 1" in err and "exit code 7" in err
-    assert len(list(runs_dir.iterdir())) == 2, "each attempt has a run folder of its own"
+    assert len(run_folders(runs_dir)) == 2, "each attempt has a run folder of its own"
 
 
 def test_no_retry_makes_a_failure_final_and_every_failed_attempt_is_listed(runs_dir):
@@ -76,7 +77,7 @@ def test_no_retry_makes_a_failure_final_and_every_failed_attempt_is_listed(runs_
         flaky.distributed("KeyError")
     assert caught.value.attempts == [], "a no_retry failure was retried"
     assert isinstance(caught.value.__cause__, KeyError)
-    assert len(list(runs_dir.iterdir())) == 1
+    assert len(run_folders(runs_dir)) == 1
 
     with pytest.raises(RunFailedError) as caught:
         flaky.distributed("RuntimeError")
@@ -85,7 +86,7 @@ def test_no_retry_makes_a_failure_final_and_every_failed_attempt_is_listed(runs_
     assert "flaky failure number 2" in message.split("earlier attempts")[0], "last root cause first"
     assert "attempt 1: rank 0: RuntimeError: flaky failure number 0" in message
     assert "attempt 2: rank 0: RuntimeError: flaky failure number 1" in message
-    assert len(list(runs_dir.iterdir())) == 1 + 3
+    assert len(run_folders(runs_dir)) == 1 + 3
 
 
 def test_no_retry_by_name_and_timeout_is_never_retried(runs_dir):
@@ -102,4 +103,4 @@ def test_no_retry_by_name_and_timeout_is_never_retried(runs_dir):
     assert caught.value.attempts == []
     with pytest.raises(TimeoutError):
         job.distributed("hang")
-    assert len(list(runs_dir.iterdir())) == 2, "a timed-out call was retried"
+    assert len(run_folders(runs_dir)) == 2, "a timed-out call was retried"

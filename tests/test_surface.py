@@ -9,8 +9,9 @@ from gpufleet import data, runtime
 def test_top_level_names():
     assert sorted(gpufleet.__all__) == [
         "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "Pool",
-        "RankFailure", "RunFailedError", "RunHangError", "RunPreemptedError", "RunTimeoutError",
-        "distributed", "log_metrics", "pool", "runtime",
+        "RankFailure", "Run", "RunCancelledError", "RunFailedError", "RunHangError",
+        "RunPreemptedError", "RunTimeoutError", "attach", "distributed", "log_metrics", "pool",
+        "runs", "runtime",
     ]
 
 
@@ -20,7 +21,17 @@ def test_decorator_options():
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
                               "show_timings", "tracking", "warm", "ray_address", "placement",
-                              "placement_timeout", "pip", "runtime_env"]
+                              "placement_timeout", "pip", "runtime_env", "name", "detach"]
+
+
+def test_run_handle_and_command_line():
+    assert [m for m in dir(gpufleet.Run) if not m.startswith("_")] == [
+        "cancel", "done", "id", "logs", "name", "path", "record", "result", "status", "wait",
+    ]
+    from gpufleet.cli import _parser
+
+    commands = _parser()._subparsers._group_actions[0].choices
+    assert sorted(commands) == ["cancel", "logs", "run", "runs", "status", "submit"]
 
 
 def test_runtime_functions():

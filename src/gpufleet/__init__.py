@@ -16,11 +16,13 @@ from gpufleet import runtime
 from gpufleet.tracking import log_metrics
 from gpufleet.api import DistributedFunction, distributed
 from gpufleet.pools import Pool, pool
+from gpufleet.handles import Run, attach, runs
 from gpufleet.errors import (
     ConfigError,
     GpufleetError,
     PayloadError,
     RankFailure,
+    RunCancelledError,
     RunFailedError,
     RunHangError,
     RunPreemptedError,
@@ -36,12 +38,16 @@ __all__ = [
     "PayloadError",
     "Pool",
     "RankFailure",
+    "Run",
+    "RunCancelledError",
     "RunFailedError",
     "RunHangError",
     "RunPreemptedError",
     "RunTimeoutError",
+    "attach",
     "distributed",
     "log_metrics",
     "pool",
+    "runs",
     "runtime",
 ]

@@ -18,6 +18,8 @@ ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first r
 TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run folder's tracking.json
 POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
 POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory between calls
+VIRTUAL_GPUS = "GPUFLEET_VIRTUAL_GPUS"  # a machine without GPUs schedules runs as if it had N
+PARAMETERS = "GPUFLEET_PARAMETERS"  # a workload's parameters file, for its ranks
 RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use by default
 
 
@@ -90,6 +92,18 @@ def gpufleet_home() -> Path:
 def ray_address() -> str | None:
     """The Ray cluster named by RAY_ADDRESS (None: unset or empty)."""
     return os.environ.get(RAY_ADDRESS) or None
+
+
+def virtual_gpus() -> int:
+    """``GPUFLEET_VIRTUAL_GPUS``: pretend GPUs for scheduling where there are none (0: unset)."""
+    value = os.environ.get(VIRTUAL_GPUS, "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        from gpufleet.errors import ConfigError
+
+        raise ConfigError(f"{VIRTUAL_GPUS}={value!r} must be a whole number of GPUs, e.g. 4")
+    return int(value)
 
 
 def cuda_visible_devices() -> str | None:

@@ -93,6 +93,7 @@ def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
         outcome = ("error", _result_failure(rank, outcome[1], exc))
         data = payload.dump_result(outcome)
     timings.write_rank(run.timings(rank))
+    tracking.flush_progress()  # the status line's last step is the function's last one
     if before_result is not None:
         before_result()
     payload.write_private(run.result(rank), data)

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from gpufleet import _environ, hardware, launchers, pools, runtime
-from gpufleet.errors import ConfigError, RunFailedError, RunPreemptedError, RunTimeoutError
-from gpufleet.options import RunOptions, check_world
-from gpufleet.payload import dump_call, write_private
-from gpufleet.rundir import RunDir
-from gpufleet.supervisor import Preemption, Supervisor
-from gpufleet.tracking import PendingTracking
-from gpufleet.tracking import status_of as tracking_status
+from gpufleet import calls, handles, runtime
+from gpufleet.errors import ConfigError
+from gpufleet.options import RunOptions
+
+if TYPE_CHECKING:
+    from gpufleet.handles import Run
 
 R = TypeVar("R")
 
@@ -36,7 +31,7 @@ class DistributedFunction(Generic[R]):
             )
         self._fn = fn
         self._options = options
-        self.last_run: Path | None = None  # the run folder of the last attempt started
+        self.last_run: Path | None = None  # the folder of the last attempt started here
         functools.update_wrapper(self, fn)
 
     @property
@@ -58,104 +53,34 @@ class DistributedFunction(Generic[R]):
         ``timeout`` expires, RunHangError when no rank made progress for ``hang_timeout``,
         RunPreemptedError after a SIGTERM to this process, and KeyboardInterrupt after
         stopping every rank on Ctrl-C. With ``max_retries``, a failed or hung run starts again
-        (all ranks, a new port) before that.
+        (all ranks, a new port) before that. The run's record stays in the runs folder
+        (``gpufleet runs``); while other runs hold this machine's GPUs it waits its turn.
         """
-        called_at = time.time()
-        opts = self._options
-        if opts.remote:  # bad input fails before connecting to (or starting) a Ray cluster
-            payload = dump_call(self._fn, args, kwargs)
-            placement = launchers.get(opts.remote).place(opts)
-            check_world(opts, placement.nprocs)
-        else:
-            placement = hardware.place(opts.gpus, opts.gpu_type)
-            check_world(opts, placement.nprocs)
-            payload = dump_call(self._fn, args, kwargs)
-        if placement.device == "cpu":
-            print(f"gpufleet: {placement.describe()}", file=sys.stderr, flush=True)
-        deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
-        tracking = PendingTracking(opts.tracking, self.__name__, {
-            "function": f"{self.__module__}.{self.__qualname__}",
-            "gpus": placement.nprocs,
-            "world_size": placement.nprocs,
-            "device": placement.device,
-        })
-        outcome: BaseException | None = None
-        try:
-            with Preemption().installed() as preemption:
-                return self._attempts(payload, placement, deadline, preemption, tracking, called_at)
-        except BaseException as exc:
-            outcome = exc
-            raise
-        finally:
-            if tracking.enabled:
-                tracking.close(tracking_status(outcome))
-
-    def _attempts(
-        self, payload: bytes, placement, deadline: float | None, preemption: Preemption, tracking,
-        called_at: float,
-    ) -> list[R]:
-        opts = self._options
-        earlier: list[RunFailedError] = []
-        while True:
-            try:
-                # a retry's timings start with the retry
-                since = called_at if not earlier else time.time()
-                return self._run(payload, placement, len(earlier), deadline, preemption, tracking, since)
-            except RunFailedError as error:
-                if preemption.requested_at is not None or len(earlier) == opts.max_retries or not _retryable(error, opts.no_retry):
-                    if not earlier:
-                        raise
-                    raise error.after(earlier) from error.__cause__
-                earlier.append(error)
-                print(
-                    f"gpufleet: attempt {len(earlier)} of {opts.max_retries + 1} failed "
-                    f"({error.root_line()}); starting every rank again",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-    def _run(
-        self, payload: bytes, placement, attempt: int, deadline: float | None, preemption: Preemption,
-        tracking: PendingTracking, called_at: float,
-    ) -> list[R]:
-        """One attempt: a run folder of its own, an agent, its ranks."""
-        opts = self._options
-        started_at = time.time()
-        run = RunDir.create(opts.runs_dir, self.__name__)
-        self.last_run = run.path
-        write_private(run.payload, payload)
-        launcher = launchers.get(opts.remote or "local")
-        env = {_environ.TRACKED: "1"} if tracking.enabled else {}
-        plan = launcher.plan(run, placement, opts, attempt, env)
-        stamps = {"call": called_at, "attempt_started": started_at}
-        if opts.remote:  # the ranks run on a cluster; the job stands for the agent
-            job = launcher.launch(plan, run, deadline)
-            return self._supervise(
-                run, job, placement, preemption, stamps, tracking, attempt, deadline, monitor=job.monitor,
+        if self._options.detach:
+            raise ConfigError(
+                "detach=True applies to .submit(), which returns at once; .distributed() waits "
+                "for the run here: drop detach, or call .submit()"
             )
-        warm = pools.for_call(opts, placement)
-        with warm._lease(plan.env) if warm else contextlib.nullcontext() as ranks:
-            if ranks is None:  # no pool, or it closed meanwhile: start cold
-                agent = launcher.launch(plan, run)
-                return self._supervise(run, agent, placement, preemption, stamps, tracking, attempt, deadline)
-            stamps["pool_ready"] = time.time()  # after any (re)start of the pool's ranks
-            ranks.hand_over(run, plan.env)
-            return self._supervise(
-                run, ranks.agent, placement, preemption, stamps, tracking, attempt, deadline,
-                ranks.folder,
-            )
+        call = self._prepare(args, kwargs)
+        record = call.record(supervisor=None)
+        record.supervised_here()
+        return calls.execute(call, record, on_attempt=self._started)
 
-    def _supervise(
-        self, run: RunDir, agent, placement, preemption: Preemption, stamps: dict, tracking,
-        attempt: int, deadline: float | None, pool_folder: RunDir | None = None, monitor=None,
-    ) -> list[R]:
-        tracking.begin()  # created while the ranks start; the supervisor hands it over
-        supervisor = Supervisor(
-            run, agent, placement.nprocs, self._options, preemption, stamps,
-            tracking if tracking.enabled else None, attempt,
-            launcher=pool_folder, pooled=pool_folder is not None, monitor=monitor,
+    def submit(self, *args: Any, **kwargs: Any) -> "Run":
+        """Start the run in the background and return its handle at once (``gpufleet.Run``:
+        status, wait, result, logs, cancel). The run ends with this process unless the
+        function has ``detach=True``; then it goes on and ``gpufleet.attach(run.id)`` finds it
+        from any process."""
+        call = self._prepare(args, kwargs)
+        return handles.submit(call)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> calls.Call:
+        return calls.Call.prepare(
+            self._fn, args, kwargs, self._options, self.__name__, f"{self.__module__}.{self.__qualname__}",
         )
-        return supervisor.wait(deadline)
+
+    def _started(self, attempt: Path) -> None:
+        self.last_run = attempt
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"
@@ -189,6 +114,9 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
                 installed; True: require it; False: never)
       warm      keep the ranks alive after a call, so the next call ships only its payload
                 (a gpufleet.pool shared by such functions; see gpufleet.pool)
+      name      the run's name in its id and in `gpufleet runs` (default: the function's)
+      detach    .submit() only: the run goes on after this process ends (re-attach with
+                gpufleet.attach(run_id))
 
     Options of remote runs (an error without remote=True):
       ray_address  the cluster: "HOST:6379", "ray://HOST:10001", "auto"; None: the connection
@@ -209,22 +137,3 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
     if fn is None:
         return lambda f: DistributedFunction(f, run_options)
     return DistributedFunction(fn, run_options)
-
-
-def _retryable(error: RunFailedError, no_retry: tuple) -> bool:
-    """A timeout ends the call (it bounds all attempts), a preemption too (this process is
-    going away); so does a root cause in no_retry."""
-    if isinstance(error, (RunTimeoutError, RunPreemptedError)):
-        return False
-    cause = error.__cause__
-    if cause is not None:
-        names = {type(cause).__name__, f"{type(cause).__module__}.{type(cause).__qualname__}"}
-    else:  # the exception did not travel back: its name leads the summary line
-        summary = error.root_cause.summary if error.root_cause else ""
-        names = {summary.split(":", 1)[0], summary.split(":", 1)[0].rsplit(".", 1)[-1]}
-    for kind in no_retry:
-        if isinstance(kind, type) and isinstance(cause, kind):
-            return False
-        if isinstance(kind, str) and kind in names:
-            return False
-    return True

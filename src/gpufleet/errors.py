@@ -181,6 +181,11 @@ class RunPreemptedError(RunFailedError):
         return (_rebuild_preempted, (args, self.results))
 
 
+class RunCancelledError(RunFailedError):
+    """The run was cancelled (``Run.cancel()``, ``gpufleet cancel``, the submitting process
+    ended, Ctrl-C in its supervisor); every rank was stopped."""
+
+
 def _rebuild_preempted(args, results):
     error = _rebuild_run_error(*args)
     error.results = results

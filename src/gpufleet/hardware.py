@@ -18,11 +18,18 @@ class Placement:
     device: str  # "cuda" or "cpu"
     nprocs: int
     gpu_names: tuple[str, ...] = ()
+    virtual: int = 0  # GPUFLEET_VIRTUAL_GPUS: CPU ranks scheduled as if on that many GPUs
+
+    @property
+    def takes_devices(self) -> bool:
+        """Whether the run holds devices of this machine while it runs (``devices.py``)."""
+        return self.device == "cuda" or self.virtual > 0
 
     def describe(self) -> str:
         if self.device == "cpu":
             noun = "process" if self.nprocs == 1 else "processes"
-            return f"no GPU visible: running {self.nprocs} CPU {noun} with gloo"
+            virtual = f" (scheduled on {self.virtual} virtual GPUs)" if self.virtual else ""
+            return f"no GPU visible: running {self.nprocs} CPU {noun} with gloo{virtual}"
         return f"{self.nprocs} × {self.gpu_names[0] if self.gpu_names else 'GPU'}"
 
 
@@ -41,6 +48,8 @@ def gpu_names(count: int) -> tuple[str, ...]:
 def place(gpus: int | None, gpu_type: str | None) -> Placement:
     """Decide the processes of a local run, or raise ConfigError naming what was found."""
     visible = visible_gpu_count()
+    if visible == 0 and _environ.virtual_gpus():
+        return _virtual(gpus, gpu_type, _environ.virtual_gpus())
     if visible == 0:
         if gpu_type:
             raise ConfigError(
@@ -58,6 +67,20 @@ def place(gpus: int | None, gpu_type: str | None) -> Placement:
     if gpu_type:
         check_gpu_type(gpu_type, names)
     return Placement(device="cuda", nprocs=nprocs, gpu_names=names)
+
+
+def _virtual(gpus: int | None, gpu_type: str | None, count: int) -> Placement:
+    if gpu_type:
+        raise ConfigError(
+            f"gpu_type={gpu_type!r} was asked for but this machine has only virtual GPUs "
+            f"({_environ.VIRTUAL_GPUS}={count}); drop gpu_type"
+        )
+    if gpus is not None and gpus > count:
+        raise ConfigError(
+            f"gpus={gpus} but only {count} virtual GPUs are set ({_environ.VIRTUAL_GPUS}={count}); "
+            f"use gpus={count} or fewer"
+        )
+    return Placement(device="cpu", nprocs=gpus or count, virtual=count)
 
 
 def check_gpu_type(gpu_type: str, names: tuple[str, ...]) -> None:

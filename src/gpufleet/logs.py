@@ -1,12 +1,19 @@
-"""Follow every rank's log file and print its lines live, prefixed with the rank."""
+r"""Follow every rank's log file and print its lines live, prefixed with the rank.
+
+A line rewritten with carriage returns (a tqdm bar: ``\r 45%|...`` updates, ``\n`` at the
+end) counts as what a terminal would show of it: the text after its last ``\r``. Until its
+``\n`` comes it is the rank's *live* line, which the display may draw in place
+(``progress.py``); then it is printed once, finished.
+"""
 
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
+
+from gpufleet.progress import PlainDisplay
 
 TAIL_LINES = 15
 TAIL_BYTES = 64 * 1024
@@ -28,12 +35,27 @@ def tail_lines(path: Path, end: int | None = None, count: int = TAIL_LINES) -> l
             data = f.read(stop - f.tell())
     except FileNotFoundError:
         return []
-    lines = data.decode(errors="replace").splitlines()
+    lines = [shown_text(line) for line in data.split(b"\n")]
+    if lines and not lines[-1]:
+        lines.pop()  # what follows the last newline
     lines = [
         line for line in lines
         if not _MACHINERY_FRAME.match(line) and not line.startswith(_EXTENSION_MODULES)
     ]
     return lines[-count:]
+
+
+def shown_text(line: bytes) -> str:
+    r"""What a terminal shows of a line (without its newline): the text after its last
+    carriage return; a ``\r\n`` ending is an ending, not a rewrite."""
+    return line.rstrip(b"\r").rpartition(b"\r")[2].decode(errors="replace")
+
+
+def _last_rewrite(partial: bytes) -> bytes:
+    r"""An unfinished line cut to its last rewrite (from the ``\r`` before its last text),
+    which shows the same: a bar that runs for hours without a newline stays small."""
+    cut = partial.rstrip(b"\r").rfind(b"\r")
+    return partial[cut:] if cut > 0 else partial
 
 
 class _RankLog:
@@ -42,8 +64,10 @@ class _RankLog:
         self.file = None
         self.partial = b""
         self.grew = False  # whether the last read found new bytes (a tqdm bar's too)
+        self.live: str | None = None  # the unfinished line as shown now (a tqdm bar)
 
     def read_lines(self, final: bool) -> list[str]:
+        """The lines finished since the last read (all of them when ``final``)."""
         if self.file is None:
             try:
                 self.file = open(self.path, "rb")  # noqa: SIM115 - kept open while following
@@ -51,12 +75,15 @@ class _RankLog:
                 return []
         chunk = self.file.read()
         self.grew = bool(chunk)
-        data = self.partial + chunk
-        *lines, self.partial = data.split(b"\n")
-        if final and self.partial:
-            lines.append(self.partial)
-            self.partial = b""
-        return [line.decode(errors="replace").rstrip("\r") for line in lines]
+        if not chunk and not final:
+            return []
+        *lines, partial = (self.partial + chunk).split(b"\n")
+        if final and partial:
+            lines.append(partial)
+            partial = b""
+        self.partial = _last_rewrite(partial)
+        self.live = shown_text(self.partial).rstrip() or None
+        return [shown_text(line) for line in lines]
 
     def close(self) -> None:
         if self.file is not None:
@@ -64,7 +91,8 @@ class _RankLog:
 
 
 class LogFollower:
-    """Prints new lines of ``logs/rank-N.log`` as ``[rank N] line`` for the shown ranks."""
+    """Hands new lines of ``logs/rank-N.log`` to the display as ``[rank N] line``, and each
+    rank's unfinished line as its live line, for the shown ranks."""
 
     def __init__(
         self,
@@ -72,24 +100,28 @@ class LogFollower:
         world_size: int,
         shows: Callable[[int], bool],
         out: TextIO | None = None,
+        display: PlainDisplay | None = None,
     ):
+        """``display``: where lines go (``progress.open_display()``); default: printed to
+        ``out`` (``sys.stdout`` at each write)."""
         self._logs = {rank: _RankLog(path_of(rank)) for rank in range(world_size)}
         self._shows = shows
-        self._out = out
+        self._display = display or PlainDisplay(out)
 
     def poll(self, final: bool = False) -> bool:
-        """Print what was written since the last poll; ``final`` also flushes partial lines.
+        """Show what was written since the last poll; ``final`` also ends partial lines.
         True when any rank wrote anything, shown or not (a sign of progress)."""
-        out = self._out or sys.stdout
-        printed = wrote = False
+        finished: list[str] = []
+        wrote = False
         for rank, log in self._logs.items():
             lines = log.read_lines(final)
             wrote = wrote or log.grew
-            if lines and self._shows(rank):
-                out.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-                printed = True
-        if printed:
-            out.flush()
+            if self._shows(rank):
+                finished += [f"[rank {rank}] {line}" for line in lines]
+                if log.grew or final:
+                    self._display.live(rank, log.live and f"[rank {rank}] {log.live}")
+        if finished:
+            self._display.write(finished)
         return wrote
 
     def close(self) -> None:

@@ -55,6 +55,8 @@ class RunOptions:
     placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT  # seconds to wait for free GPUs
     pip: bool | tuple[str, ...] = False  # True: this environment's packages on the workers
     runtime_env: Mapping | None = None  # Ray's runtime_env, merged into what gpufleet ships
+    name: str | None = None  # the run's name (default: the function's)
+    detach: bool = False  # .submit(): the run outlives the process that submitted it
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -123,6 +125,8 @@ def _checked(options: dict) -> dict:
         "placement_timeout": _check_placement_timeout,
         "pip": _check_pip,
         "runtime_env": _check_runtime_env,
+        "name": _check_name,
+        "detach": _check_detach,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -264,6 +268,20 @@ def _check_warm(warm):
             f"warm={warm!r} must be True (keep the ranks alive between calls) or False"
         )
     return warm
+
+
+def _check_name(name):
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ConfigError(f"name={name!r} must be a non-empty string naming the run, or None")
+    return name.strip() if name else None
+
+
+def _check_detach(detach):
+    if not isinstance(detach, bool):
+        raise ConfigError(
+            f"detach={detach!r} must be True (a submitted run outlives this process) or False"
+        )
+    return detach
 
 
 def _check_show_timings(show_timings):

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from gpufleet import _environ, _process, hardware
+from gpufleet import _environ, _process, devices, hardware
 from gpufleet.errors import ConfigError
 from gpufleet.hardware import Placement
 from gpufleet.launchers import local
@@ -164,8 +164,10 @@ class Pool:
 class _Ranks:
     """One start of a pool's ranks: the agent, its folder and the pipes to its ranks."""
 
-    def __init__(self, folder: RunDir, agent: subprocess.Popen | None, pipes: list[int], env: dict[str, str]):
+    def __init__(self, folder: RunDir, agent: subprocess.Popen | None, pipes: list[int],
+                 env: dict[str, str], lease: devices.Lease):
         self.folder = folder
+        self.lease = lease  # the devices the ranks hold while they live
         self.agent = agent
         self.pipes = pipes
         self.env = env  # the environment the ranks started with (the launch plan's)
@@ -180,32 +182,38 @@ class _Ranks:
             (folder.path / sub).mkdir(mode=0o700)
         pipes: list[int] = []
         agent = None
+        lease = devices.Lease()
         try:
+            if placement.takes_devices:
+                lease = devices.acquire(placement.nprocs, folder.name, lambda holders: print(
+                    f"gpufleet: the pool waits for {placement.nprocs} free GPUs (held by "
+                    f"{', '.join(sorted(set(holders)))})", file=sys.stderr, flush=True))
             for rank in range(placement.nprocs):
                 os.mkfifo(folder.orders(rank), 0o600)
                 # read-write: opening never blocks, and the ranks see end-of-file only when
                 # this process closes it (or dies)
                 pipes.append(os.open(folder.orders(rank), os.O_RDWR | os.O_CLOEXEC))
             mode = _environ.POOL_KEEP_MEMORY if keep_memory else "1"
-            plan = local.plan(folder, placement, options, 0, {_environ.POOL: mode})
+            plan = local.plan(folder, placement, options, 0, {_environ.POOL: mode, **lease.env()})
             agent = local.launch(plan, folder)
             Supervisor(
                 folder, agent, placement.nprocs, options, Preemption(), {"call": called_at}, None, 0,
                 pooled=True,
             ).wait()
         except BaseException:
-            cls(folder, agent, pipes, {}).stop()
+            cls(folder, agent, pipes, {}, lease).stop()
             raise
         print(
             f"gpufleet: pool of {placement.nprocs} warm ranks ready in "
             f"{time.time() - called_at:.1f} s ({folder.path})",
             file=sys.stderr, flush=True,
         )
-        return cls(folder, agent, pipes, plan.env)
+        return cls(folder, agent, pipes, plan.env, lease)
 
     def hand_over(self, run: RunDir, env: dict[str, str]) -> None:
         """Give the call in ``run`` to every rank, with the environment it would have had in
         a cold start: the variables that differ from the ranks' own (None: unset)."""
+        env = {**env, **self.lease.env()}  # the pool's devices are the call's
         changes: dict[str, str | None] = {k: v for k, v in env.items() if self.env.get(k) != v}
         changes.update({k: None for k in self.env if k not in env})
         order = {"run": str(run.path), "env": changes, "cwd": os.getcwd()}
@@ -231,6 +239,7 @@ class _Ranks:
 
     def start_up_changes(self, env: dict[str, str]) -> list[str]:
         """The variables read when the ranks start that the call sets differently."""
+        env = {**env, **self.lease.env()}
         names = {n for n in {*env, *self.env} if n in START_UP_VARIABLES or n.startswith(START_UP_PREFIXES)}
         return sorted(n for n in names if env.get(n) != self.env.get(n) and not _per_run(n))
 
@@ -253,6 +262,7 @@ class _Ranks:
             os.close(pipe)
         self.pipes = []
         if self.agent is None:
+            self.lease.release()
             return
         try:
             self.agent.wait(CLOSE_GRACE_SECONDS)
@@ -261,6 +271,7 @@ class _Ranks:
         _process.kill_groups(rank_pids(self.folder, self.nprocs))
         _process.kill_group(self.agent.pid)
         self.agent.wait()
+        self.lease.release()
 
 
 def pool(

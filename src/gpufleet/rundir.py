@@ -21,10 +21,13 @@ class RunDir:
     @classmethod
     def create(cls, runs_dir: Path | None, name: str) -> "RunDir":
         """A new private folder under ``runs_dir`` (default ``$GPUFLEET_HOME/runs``)."""
-        root = runs_dir or _environ.gpufleet_home() / "runs"
+        root = runs_root(runs_dir)
         ensure_private_dir(root)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = root / f"{_safe(name)}-{stamp}-{secrets.token_hex(3)}"
+        return cls.create_at(root / new_id(name))
+
+    @classmethod
+    def create_at(cls, path: Path) -> "RunDir":
+        """A new private run folder at ``path`` (an attempt of a run: ``records.py``)."""
         path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
         for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl", "timings"):
             (path / sub).mkdir(mode=0o700)
@@ -32,6 +35,9 @@ class RunDir:
 
     @property
     def name(self) -> str:
+        """The folder's name; an attempt of a run is named with its run: ``<id>.attempt-N``."""
+        if self.path.name.startswith("attempt-"):
+            return f"{self.path.parent.name}.{self.path.name}"
         return self.path.name
 
     @property
@@ -102,9 +108,25 @@ class RunDir:
         return self.path / "modules.json"
 
     @property
+    def progress(self) -> Path:
+        """Rank 0's last logged step and metrics (``gpufleet.log_metrics``), for the live
+        status line and ``gpufleet status``."""
+        return self.path / "progress.json"
+
+    @property
     def stop_request(self) -> Path:
         """Exists once the caller was asked to stop (SIGTERM): ``runtime.should_stop()``."""
         return self.path / "stop-requested"
+
+
+def runs_root(runs_dir: Path | None) -> Path:
+    """Where runs go: ``runs_dir``, else ``$GPUFLEET_HOME/runs``."""
+    return runs_dir or _environ.gpufleet_home() / "runs"
+
+
+def new_id(name: str) -> str:
+    """A run's id: its name, the local time and 6 random hex digits."""
+    return f"{_safe(name)}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
 def rank_pids(run: "RunDir", nprocs: int) -> list[int | None]:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from gpufleet import _process, diagnosis, timings
+from gpufleet import _process, diagnosis, progress, timings
 from gpufleet.errors import (
     GpufleetError,
     RankFailure,
@@ -90,6 +90,7 @@ class Supervisor:
         self.pooled = pooled
         self.returned = False  # every rank wrote its result and the ranks live on
         self.stamps = dict(stamps)  # the caller's instants (timings.py)
+        self.began = self.stamps.get("call", time.time())  # for the status line's clock
         self.tracking = tracking  # handed to the ranks once ready (tracking.json)
         self.tracking_due = time.monotonic() + CALLER_WAIT_S
         self.attempt = attempt
@@ -97,9 +98,12 @@ class Supervisor:
         self.agent = agent
         self.world_size = world_size
         self.options = options
-        self.follower = LogFollower(run.log, world_size, options.shows_rank)
+        self.display = progress.open_display()  # draws nothing until the call has run a while
+        self.follower = LogFollower(run.log, world_size, options.shows_rank, display=self.display)
+        self.progress = progress.ProgressFile(run.progress)
         self.monitor = monitor or RunMonitor(run, world_size, self.launcher.nccl_traces)
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
+        self.teardown: threading.Thread | None = None  # the ranks' exit after a returned call
 
     def wait(self, deadline: float | None = None) -> list:
         """Block until every rank is done; return their values in rank order or raise.
@@ -107,11 +111,41 @@ class Supervisor:
         ``deadline`` (``time.monotonic()``) ends the wait; default: ``timeout`` from now.
         The run's timings are saved (and printed with ``show_timings``) either way.
         """
+        error = None
         try:
             return self._wait(deadline)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self.stamps["results_collected"] = time.time()
+            self._close_display(error)
             self._save_timings()
+
+    def _show_status(self) -> None:
+        """Refresh the status line when the display wants it (a few times a second)."""
+        if self.display.due():
+            self.display.show(self._status())
+
+    def _close_display(self, error: BaseException | None) -> None:
+        """The status line's final state says how the call ended."""
+        final = self._status(progress.ending(error)) if self.display.shown else None
+        self.display.close(final)
+
+    def _status(self, outcome: str | None = None) -> progress.Status:
+        step, metrics = self.progress.read()
+        return progress.Status(
+            name=self.run.name, world_size=self.world_size,
+            elapsed=time.time() - self.began,
+            alive=None if outcome else self._ranks_alive(), step=step, metrics=metrics,
+            attempt=self.attempt, outcome=outcome,
+        )
+
+    def _ranks_alive(self) -> int | None:
+        """How many ranks run now; None when their pids are another machine's."""
+        if getattr(self.agent, "remote", False):
+            return None
+        return sum(_process.alive(pid) for pid in self.monitor.pids().values())
 
     def _save_timings(self) -> None:
         try:
@@ -160,7 +194,8 @@ class Supervisor:
             if not self.pooled:  # the values go back while the ranks and the agent exit
                 # not a daemon: a script that ends right after the call still lets its ranks
                 # finish their exit (atexit hooks, NCCL teardown) before the agent goes
-                threading.Thread(target=self._teardown, name="gpufleet-teardown").start()
+                self.teardown = threading.Thread(target=self._teardown, name="gpufleet-teardown")
+                self.teardown.start()
         return values
 
     def _end_ranks(self) -> None:
@@ -183,6 +218,7 @@ class Supervisor:
                 self.returned = True
                 return "done"
             self.monitor.sample()
+            self._show_status()
             self._hand_over_tracking()
             if self.preemption.requested_at is not None:
                 self._ask_to_stop()

@@ -12,6 +12,7 @@ else that honours them log into the call's run.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import logging
@@ -20,16 +21,20 @@ import sys
 import threading
 import time
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, runtime
 from gpufleet.errors import ConfigError
+from gpufleet.payload import write_private
+from gpufleet.rundir import RunDir
 
 DEFAULT_EXPERIMENT = "gpufleet"
 CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
 RANK_WAIT_S = 2 * CALLER_WAIT_S
 FINISH_WAIT_S = 10.0  # how long ending the run may hold up the call's return
 SYSTEM_METRICS_EVERY_S = 10
+PROGRESS_EVERY_S = 0.5  # how often rank 0 may replace progress.json (log_metrics)
 _REDUCTIONS = (None, "mean", "max")
 
 
@@ -169,6 +174,11 @@ class PendingTracking:
             return {}
         return self._found.env()
 
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id once it exists."""
+        return self._found.run_id if self._found is not None else None
+
     def attempt(self, number: int) -> None:
         if self._found is not None:
             self._found.attempt(number)
@@ -252,8 +262,9 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: s
 
     ``reduce="mean"`` or ``"max"`` first combines each value across ranks (a collective: call
     it at the same point on every rank); with None only rank 0's values are logged and the
-    other ranks return at once. Outside a tracked run it does nothing. Counts as progress for
-    ``hang_timeout``.
+    other ranks return at once. Rank 0's last step and values also go to the run folder's
+    ``progress.json``, tracked or not, for the caller's status line. Outside a gpufleet run
+    it does nothing. Counts as progress for ``hang_timeout``.
     """
     if reduce not in _REDUCTIONS:
         raise ConfigError(f"reduce={reduce!r} must be one of {', '.join(map(repr, _REDUCTIONS))}")
@@ -262,8 +273,11 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: s
     values = [float(metrics[k]) for k in names]
     if reduce is not None:
         values = _reduced(values, reduce)
+    if runtime.get_global_rank() != 0:
+        return
+    _progress.note(step, dict(zip(names, values)))
     run_id = os.environ.get("MLFLOW_RUN_ID")
-    if not (_environ.tracked() and run_id) or runtime.get_global_rank() != 0:
+    if not (_environ.tracked() and run_id):
         return
     from mlflow import MlflowClient
     from mlflow.entities import Metric
@@ -271,6 +285,73 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: s
     now = int(time.time() * 1000)
     batch = [Metric(k, v, now, step or 0) for k, v in zip(names, values)]
     _quietly(MlflowClient(os.environ.get("MLFLOW_TRACKING_URI")).log_batch, run_id, batch)
+
+
+class _ProgressNotes:
+    """Rank 0's last step and metrics in its run folder's ``progress.json`` (``{"step",
+    "metrics", "time"}``), which the caller reads for its status line.
+
+    ``log_metrics`` runs every step, so the file is replaced at most every PROGRESS_EVERY_S
+    (the first note of a run at once); a newer note waits for a timer, or for the rank's
+    exit, so the file ends with the last one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: tuple[Path, bytes] | None = None
+        self._last: tuple[Path, float] | None = None  # where and when (monotonic) it last wrote
+        self._timer: threading.Timer | None = None
+        self._hooked = False  # flush() runs at the rank's exit
+        self._failed = False
+
+    def note(self, step: int | None, metrics: dict[str, float]) -> None:
+        folder = _environ.run_dir()
+        if folder is None:
+            return
+        path = RunDir(folder).progress
+        step = None if step is None else int(step)  # a numpy integer is not JSON
+        data = json.dumps({"step": step, "metrics": metrics, "time": time.time()}).encode()
+        with self._lock:
+            if not self._hooked:
+                atexit.register(self.flush)
+                self._hooked = True
+            if self._pending is not None and self._pending[0] != path:
+                self._write()  # a warm rank's previous call: its last note first
+            self._pending = (path, data)
+            wait = 0.0 if self._last is None or self._last[0] != path else (
+                self._last[1] + PROGRESS_EVERY_S - time.monotonic()
+            )
+            if wait <= 0:
+                self._write()
+            elif self._timer is None:
+                self._timer = threading.Timer(wait, self.flush)
+                self._timer.name, self._timer.daemon = "gpufleet-progress", True
+                self._timer.start()
+
+    def flush(self) -> None:
+        """Write the note still waiting, if any."""
+        with self._lock:
+            self._timer = None
+            if self._pending is not None:
+                self._write()
+
+    def _write(self) -> None:  # with the lock held
+        path, data = self._pending
+        self._pending, self._last = None, (path, time.monotonic())
+        try:
+            write_private(path, data)
+        except OSError as exc:  # the status line goes without; training does not stop for it
+            if not self._failed:
+                print(f"gpufleet: progress not written to {path}: {exc}", file=sys.stderr,
+                      flush=True)
+                self._failed = True
+
+
+_progress = _ProgressNotes()  # per process, like runtime's heartbeat: rank 0's notes
+
+
+def flush_progress() -> None:
+    """Write rank 0's last note now (before the rank's result: the call may end with it)."""
+    _progress.flush()
 
 
 def _reduced(values: list[float], how: str) -> list[float]:

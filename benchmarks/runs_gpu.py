@@ -1,0 +1,127 @@
+"""Runs on real GPUs: the command line, concurrent submitted runs on disjoint GPUs, queueing,
+cancel and a detached run re-attached from another process.
+
+    python benchmarks/runs_gpu.py            # on a machine with 2 or more GPUs
+
+Prints one line per check and exits non-zero if any failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+import gpufleet
+
+HERE = Path(tempfile.mkdtemp(prefix="gpufleet-runs-gpu-"))
+os.environ["GPUFLEET_HOME"] = str(HERE / "home")
+CLI = [sys.executable, "-m", "gpufleet"]
+checks: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    checks.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {detail}", flush=True)
+
+
+def gpu_processes() -> list[str]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                         capture_output=True, text=True).stdout
+    return [line for line in out.split() if line.strip()]
+
+
+def cli_run_with_nccl() -> None:
+    script = HERE / "allreduce.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        print("sum", int(t.item()), "gpu", torch.cuda.get_device_name(), flush=True)
+        dist.destroy_process_group()
+        sys.exit(int(sys.argv[1]))
+    """))
+    n = torch.cuda.device_count()
+    started = time.monotonic()
+    ok = subprocess.run([*CLI, "run", "--gpus", str(n), str(script), "0"], capture_output=True, text=True)
+    want = n * (n + 1) // 2
+    check("gpufleet run: NCCL all_reduce on every GPU", ok.returncode == 0 and ok.stdout.count(f"sum {want}") == n,
+          f"exit {ok.returncode}, {time.monotonic() - started:.1f} s, {ok.stdout.count(f'sum {want}')}/{n} ranks")
+    bad = subprocess.run([*CLI, "run", "--gpus", str(n), str(script), "3"], capture_output=True, text=True)
+    check("gpufleet run: a script's sys.exit(3) fails the run", bad.returncode == 1 and "exited with status 3" in bad.stderr,
+          f"exit {bad.returncode}")
+    listed = json.loads(subprocess.run([*CLI, "runs", "--json"], capture_output=True, text=True).stdout)
+    check("gpufleet runs --json lists both", [r["status"] for r in listed[:2]] == ["failed", "succeeded"],
+          str([(r["name"], r["status"], r["devices"]) for r in listed[:2]]))
+
+
+@gpufleet.distributed(gpus=1, tracking=False)
+def hold(seconds: float) -> dict:
+    import torch
+
+    x = torch.ones(1024, 1024, device="cuda")  # a real allocation on its GPU
+    time.sleep(seconds)
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "uuid": str(torch.cuda.get_device_properties(0).uuid), "sum": float(x.sum())}
+
+
+def concurrent_submits() -> None:
+    n = torch.cuda.device_count()
+    first = [hold.submit(8) for _ in range(n)]
+    extra = hold.submit(1)
+    time.sleep(5)
+    statuses = [r.status() for r in first]
+    check("one 1-GPU run per GPU runs at once", statuses == ["running"] * n, str(statuses))
+    check("the next one queues", extra.status() == "queued", extra.status())
+    values = [r.result()[0] for r in first]
+    uuids = {v["uuid"] for v in values}
+    check("their GPUs are disjoint", len(uuids) == n, str(sorted(v["visible"] for v in values)))
+    check("the queued run ran after them", extra.result()[0]["sum"] == 1024 * 1024,
+          f"devices {extra.record()['devices']}")
+    long = hold.submit(600)
+    while long.status() != "running":
+        time.sleep(0.2)
+    time.sleep(3)
+    started = time.monotonic()
+    status = long.cancel()
+    time.sleep(1)
+    check("cancel stops a GPU run, nothing left on the GPUs", status == "cancelled" and not gpu_processes(),
+          f"{status} in {time.monotonic() - started:.1f} s, GPU processes {gpu_processes()}")
+
+
+def detached_run() -> None:
+    submitter = HERE / "submitter.py"
+    submitter.write_text(textwrap.dedent("""
+        import os, time, gpufleet
+
+        @gpufleet.distributed(gpus=2, detach=True, tracking=False)
+        def train():
+            import torch
+            time.sleep(5)
+            return torch.cuda.get_device_name()
+
+        print(train.submit().id, flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(submitter)], capture_output=True, text=True, cwd=HERE)
+    run_id = out.stdout.strip().splitlines()[-1]
+    run = gpufleet.attach(run_id)
+    check("a detached run outlives its submitter and is re-attached", run.wait(120) == "succeeded",
+          f"{run_id}: {run.result()}")
+
+
+if __name__ == "__main__":
+    print(f"gpufleet runs on {torch.cuda.device_count()} × {torch.cuda.get_device_name()}", flush=True)
+    cli_run_with_nccl()
+    concurrent_submits()
+    detached_run()
+    failed = [name for name, ok, _ in checks if not ok]
+    print(f"{len(checks) - len(failed)} of {len(checks)} checks passed", flush=True)
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,41 @@
+"""The background supervisor of a submitted run: ``python -m gpufleet._submitted RUN_FOLDER``.
+
+It runs the call exactly as ``.distributed()`` would in the caller (``calls.execute``) and
+leaves the outcome in the run's record. SIGINT (``Run.cancel()``) stops every rank, as Ctrl-C
+does in a caller. Started with GPUFLEET_PARENT_PID it dies with that process: a run that was
+not detached ends with the script or notebook that submitted it.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from gpufleet import _environ, _process, calls
+from gpufleet.payload import load_private
+from gpufleet.records import Record
+
+
+def main(argv: list[str]) -> int:
+    record = Record(Path(argv[1]))
+    record.supervised_here()
+    parent = _environ.parent_pid()
+    if parent is not None:
+        _process.die_with_parent(signal.SIGINT, parent)
+    call = load_private(record.call)
+    call.options = call.options.replace(logs="none")  # the ranks' own log files hold them
+    try:
+        calls.execute(call, record)
+    except KeyboardInterrupt:
+        print(f"gpufleet: run {record.id} cancelled", flush=True)
+        return 130
+    except BaseException as exc:  # kept in the record (outcome.pkl) for Run.result()
+        print(f"gpufleet: run {record.id} {record.status()}: {exc}", flush=True)
+        return 1
+    print(f"gpufleet: run {record.id} succeeded", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,254 @@
+"""The ``gpufleet`` command: run scripts and workload files, list, follow and cancel runs.
+
+Exit status: 0 success; 1 the run failed (or no such run); 2 bad usage or input, before
+anything starts; 124 the run timed out; 130 interrupted or cancelled; 143 preempted (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from gpufleet import _environ, _script, calls, handles, records
+from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
+from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
+
+EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_PREEMPTED = 1, 2, 124, 130, 143
+EXIT_OF_STATUS = {
+    records.SUCCEEDED: 0, records.FAILED: EXIT_FAILED, records.LOST: EXIT_FAILED,
+    records.TIMEOUT: EXIT_TIMEOUT, records.CANCELLED: EXIT_INTERRUPTED, records.PREEMPTED: EXIT_PREEMPTED,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.command(args)
+    except (ConfigError, PayloadError) as exc:
+        print(f"gpufleet: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED if getattr(args, "finds_run", False) else EXIT_USAGE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def cmd_run(args) -> int:
+    """Run a script on every rank here, in the foreground (or detached)."""
+    if args.module:
+        fn, fn_args, name, what = _script.run_module, (args.module, args.args), args.module, f"-m {args.module}"
+    else:
+        if not args.args:
+            raise ConfigError("give a script to run: gpufleet run [options] script.py [args ...] (or -m module)")
+        script, *rest = args.args
+        if not Path(script).is_file():
+            raise ConfigError(f"script {script!r} not found (from {os.getcwd()})")
+        fn, fn_args, name, what = _script.run_script, (script, rest), Path(script).stem, script
+    options = RunOptions.create(
+        gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_retries=args.max_retries,
+        timeout=args.timeout, name=args.name, env=_env_pairs(args.env), runs_dir=args.runs_dir,
+        detach=args.detach,
+    )
+    call = calls.Call.prepare(fn, fn_args, {}, options, name, what, kind="script")
+    argv = [what, *fn_args[1]]
+    if args.detach:
+        return _started(handles.submit(call, argv=argv), args.json)
+    record = call.record(argv=argv)
+    record.supervised_here()
+    return _foreground(call, record)
+
+
+def cmd_submit(args) -> int:
+    """Start a workload file in the background; print its id (or follow it)."""
+    from gpufleet import workload
+
+    work = workload.load(args.workload)
+    env = dict(work.options.pop("env"))
+    if work.parameters_file is not None:
+        env[_environ.PARAMETERS] = str(work.parameters_file)
+    options = RunOptions.create(**work.options, env={k: str(v) for k, v in env.items()},
+                                runs_dir=args.runs_dir, detach=True)
+    fn, fn_args = {
+        "script": (_script.run_script, (work.target, work.args)),
+        "module": (_script.run_module, (work.target, work.args)),
+        "command": (_script.run_command, (work.target,)),
+    }[work.entry]
+    name = Path(work.target).stem if work.entry == "script" else work.path.stem
+    call = calls.Call.prepare(
+        fn, fn_args, {}, options, name, str(work.path), kind=work.entry, params=work.parameters,
+    )
+    extra = {"MLFLOW_EXPERIMENT_NAME": work.experiment} if work.experiment else {}
+    run = handles.submit(call, cwd=work.folder, env=extra, argv=[str(work.path)])
+    if not args.follow:
+        return _started(run, args.json)
+    print(f"gpufleet: submitted {run.id}", file=sys.stderr, flush=True)
+    return _follow_to_end(run)
+
+
+def cmd_runs(args) -> int:
+    found = handles.runs(args.runs_dir)[: args.limit]
+    rows = [_summary(r) for r in found]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    header = ("ID", "NAME", "STATUS", "GPUS", "DEVICES", "STARTED", "DURATION")
+    table = [header] + [
+        (r["id"], r["name"], r["status"], str(r["gpus"]), ",".join(r["devices"]) or "-",
+         _when(r["started"] or r["created"]), _duration(r)) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_logs(args) -> int:
+    run = handles.attach(args.run, args.runs_dir)
+    if args.follow:
+        run.logs(args.rank, follow=True)
+        return 0
+    sys.stdout.write(run.logs(args.rank))
+    return 0
+
+
+def cmd_status(args) -> int:
+    run = handles.attach(args.run, args.runs_dir)
+    summary = _summary(run)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    for key in ("id", "name", "status", "kind", "gpus", "devices", "device", "created", "started",
+                "ended", "duration", "attempts", "error", "mlflow_run_id", "path"):
+        value = summary.get(key)
+        if key in ("created", "started", "ended"):
+            value = _when(value) if value else "-"
+        if isinstance(value, list):
+            value = ", ".join(map(str, value)) or "-"
+        print(f"{key + ':':<13} {value if value not in (None, '') else '-'}")
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    run = handles.attach(args.run, args.runs_dir)
+    before = run.status()
+    status = run.cancel()
+    print(f"{run.id}: {status}" + ("" if before not in records.FINAL else " (had already ended)"))
+    return 0
+
+
+def _foreground(call: calls.Call, record: records.Record) -> int:
+    try:
+        calls.execute(call, record)
+    except RunFailedError as exc:
+        print(f"gpufleet: {exc}", file=sys.stderr, flush=True)
+        return EXIT_OF_STATUS[records.status_of(exc)]
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _started(run: handles.Run, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps({"id": run.id, "path": str(run.path), "status": run.status()}))
+    else:
+        print(run.id)
+    return 0
+
+
+def _follow_to_end(run: handles.Run) -> int:
+    run.logs(follow=True)
+    status = run.wait()
+    if status != records.SUCCEEDED:
+        try:
+            run.result()
+        except GpufleetError as exc:
+            print(f"gpufleet: {exc}", file=sys.stderr, flush=True)
+    return EXIT_OF_STATUS[status]
+
+
+def _summary(run: handles.Run) -> dict:
+    data = run.record()
+    data["status"] = run.status()
+    data["duration"] = _duration(data)
+    data["path"] = str(run.path)
+    data.pop("supervisor", None)
+    return data
+
+
+def _duration(data: dict) -> str:
+    if not data.get("started"):
+        return "-"
+    seconds = int((data.get("ended") or time.time()) - data["started"])
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _when(stamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if stamp else "-"
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--env {pair!r} must be KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--runs-dir", type=Path, default=argparse.SUPPRESS,
+                        help="the runs folder (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)")
+    parser = argparse.ArgumentParser(
+        prog="gpufleet", parents=[common],
+        description="Run scripts and workload files on this machine's GPUs (or a Ray cluster); "
+        "list, follow and cancel runs.",
+        epilog="exit status: 0 success, 1 run failed or not found, 2 bad usage, 124 timeout, "
+        "130 interrupted or cancelled, 143 preempted",
+    )
+    parser.set_defaults(runs_dir=None)
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", parents=[common], help="run a script on N GPUs, as torchrun would",
+                         description="Run a Python script (or -m module) on every rank, with "
+                         "torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), "
+                         "live [rank N] logs, precise errors and a run record.")
+    run.add_argument("--gpus", type=int, help="processes, one per GPU (default: every GPU; 2 CPU processes without one)")
+    run.add_argument("--gpu-type", help="check the GPU model first, e.g. H100")
+    run.add_argument("--remote", action="store_true", help="run on the Ray cluster (RAY_ADDRESS)")
+    run.add_argument("--max-retries", type=int, default=0, help="start a failed run again up to K times")
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for the whole run (default 3 h)")
+    run.add_argument("--name", help="the run's name (default: the script's)")
+    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for every rank (repeatable)")
+    run.add_argument("--detach", action="store_true", help="start in the background, print the run id and return")
+    run.add_argument("--json", action="store_true", help="with --detach: print the run as JSON")
+    run.add_argument("-m", dest="module", help="run a module, as python -m does")
+    run.add_argument("args", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
+    run.set_defaults(command=cmd_run)
+
+    submit = sub.add_parser("submit", parents=[common], help="start a workload file in the background",
+                            description="Start the run a workload file (YAML or JSON) describes; print its id.")
+    submit.add_argument("workload", help="the workload file")
+    submit.add_argument("--follow", action="store_true", help="stream its logs and exit with its status")
+    submit.add_argument("--json", action="store_true", help="print the run as JSON")
+    submit.set_defaults(command=cmd_submit)
+
+    listing = sub.add_parser("runs", parents=[common], help="list runs, newest first")
+    listing.add_argument("--json", action="store_true", help="print the records as JSON")
+    listing.add_argument("--limit", type=int, default=50, help="how many runs (default 50)")
+    listing.set_defaults(command=cmd_runs)
+
+    for name, fn, what in (("logs", cmd_logs, "print a run's logs"), ("status", cmd_status, "show a run's record"),
+                           ("cancel", cmd_cancel, "stop a run (every rank)")):
+        one = sub.add_parser(name, parents=[common], help=what, description=what[0].upper() + what[1:] + ".")
+        one.add_argument("run", help="run id, or a unique start or 6-digit end of it")
+        one.set_defaults(command=fn, finds_run=True)
+        if name == "logs":
+            one.add_argument("--rank", type=int, help="only this rank's log, without prefixes")
+            one.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
+        if name == "status":
+            one.add_argument("--json", action="store_true", help="print the record as JSON")
+    return parser

@@ -1,0 +1,201 @@
+"""Handles on runs: ``.submit()`` starts a run in a background process and returns a ``Run``;
+``attach(run_id)`` and ``runs()`` give the same handle on any run in the runs folder, from any
+process (docs/design.md, "Run records and handles").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from gpufleet import _environ, records
+from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.logs import LogFollower
+from gpufleet.payload import write_private
+from gpufleet.records import Record
+
+POLL_SECONDS = 0.1
+CANCEL_WAIT_SECONDS = 120.0  # the ranks' stop (seconds) and the supervisor's own end
+
+
+class Run:
+    """A run of this machine's runs folder: started here by ``.submit()``, or found by id."""
+
+    def __init__(self, record: Record, process: subprocess.Popen | None = None):
+        self._record = record
+        self._process = process  # the background supervisor, when this process started it
+
+    @property
+    def id(self) -> str:
+        return self._record.id
+
+    @property
+    def path(self) -> Path:
+        """The run's folder: record.json, attempt-N/ (logs, results, timings), outcome.pkl."""
+        return self._record.path
+
+    @property
+    def name(self) -> str:
+        return self.record()["name"]
+
+    def record(self) -> dict:
+        """What ``record.json`` says now: status, times, devices, attempts, error."""
+        return self._record.read()
+
+    def status(self) -> str:
+        """queued, running, succeeded, failed, timeout, cancelled, preempted or lost."""
+        status = self._record.status()
+        if status not in records.FINAL and self._process is not None and self._process.poll() is not None:
+            status = self._record.status()  # it may have ended between the two reads
+            return status if status in records.FINAL else records.LOST
+        return status
+
+    def done(self) -> bool:
+        return self.status() in records.FINAL
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the run ends; its final status. TimeoutError after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.id} is still {self.status()} after {timeout:g} s")
+            time.sleep(POLL_SECONDS)
+        return self.status()
+
+    def result(self, timeout: float | None = None) -> list:
+        """Every rank's value in rank order, once the run succeeded; otherwise its error
+        (RunFailedError and its kinds: RunCancelledError, RunTimeoutError, ...)."""
+        status = self.wait(timeout)
+        if status == records.SUCCEEDED:
+            from gpufleet.supervisor import collect
+
+            return collect(self._record.last_attempt(), self.record()["gpus"])
+        if self._record.outcome.exists():
+            from gpufleet.payload import load_private
+
+            raise load_private(self._record.outcome)
+        raise GpufleetError(
+            f"run {self.id} is {status} and left no error: its supervising process "
+            f"ended without writing one (its log: {self._record.supervisor_log})"
+        )
+
+    def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None) -> str | None:
+        """The last attempt's output: every rank's lines prefixed ``[rank N]``, or one rank's
+        own text. ``follow=True`` prints them as they come until the run ends (Ctrl-C stops
+        following, not the run) and returns None."""
+        world = self._ranks(rank)
+        if follow:
+            self._follow(rank, world, out or sys.stdout)
+            return None
+        attempt = self._record.last_attempt()
+        if attempt is None:
+            return ""
+        if rank is not None:
+            return _read_text(attempt.log(rank))
+        return "".join(
+            f"[rank {r}] {line}\n" for r in range(world) for line in _read_text(attempt.log(r)).splitlines()
+        )
+
+    def cancel(self) -> str:
+        """Stop every rank (as Ctrl-C would) and wait for the run to end; its final status.
+        Cancelling an ended run changes nothing."""
+        if self.done():
+            return self.status()
+        supervisor = self.record().get("supervisor")
+        while supervisor is None and not self.done():  # a run submitted a moment ago
+            time.sleep(POLL_SECONDS)
+            supervisor = self.record().get("supervisor")
+        if supervisor is not None and records.is_alive(supervisor):
+            os.kill(supervisor["pid"], signal.SIGINT)
+        return self.wait(CANCEL_WAIT_SECONDS)
+
+    def _ranks(self, rank: int | None) -> int:
+        world = self.record()["gpus"]
+        if rank is not None and not 0 <= rank < world:
+            raise ConfigError(f"rank={rank} is not a rank of run {self.id}: it has ranks 0 to {world - 1}")
+        return world
+
+    def _follow(self, rank: int | None, world: int, out: TextIO) -> None:
+        def shows(r: int) -> bool:
+            return rank is None or r == rank
+
+        attempt = follower = None
+        try:
+            while True:
+                ended = self.done()
+                latest = self._record.last_attempt()
+                if latest != attempt and latest is not None:
+                    if follower is not None:
+                        follower.close()
+                    attempt, follower = latest, LogFollower(latest.log, world, shows, out)
+                if follower is not None:
+                    follower.poll()
+                if ended:
+                    break
+                time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            pass  # stop following; the run goes on
+        finally:
+            if follower is not None:
+                follower.close()
+
+    def __repr__(self) -> str:
+        return f"<gpufleet.Run {self.id} {self.status()}>"
+
+
+def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **fields) -> Run:
+    """Start ``call`` (``calls.Call``) in a background supervising process, in ``cwd`` (default
+    this process's) with ``env`` added to its environment; ``fields`` go into the record."""
+    import cloudpickle
+
+    record = call.record(detached=call.options.detach, **fields)
+    write_private(record.call, cloudpickle.dumps(call))
+    return Run(record, _start_supervisor(record, call.options.detach, cwd, env or {}))
+
+
+def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: dict[str, str]) -> subprocess.Popen:
+    """``python -m gpufleet._submitted RECORD`` in its own session, its output in the run's
+    supervisor.log. Without ``detach`` it dies with this process (the death signal follows
+    the thread that starts it: the launcher's long-lived starter thread)."""
+    from gpufleet.launchers.local import _starter
+
+    env = {**_environ.snapshot(), **extra}
+    env.pop(_environ.PARENT_PID, None)
+    if not detached:
+        env[_environ.PARENT_PID] = str(os.getpid())
+    log = os.open(record.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        return _starter().run(
+            subprocess.Popen, [sys.executable, "-m", "gpufleet._submitted", str(record.path)],
+            env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        os.close(log)
+
+
+def attach(run_id: str, runs_dir: str | os.PathLike | None = None) -> Run:
+    """The handle of a run by its id (or a unique start or 6-digit end of it), from any
+    process: a detached run's logs and result after the notebook that started it is gone."""
+    return Run(records.find(run_id, _root(runs_dir)))
+
+
+def runs(runs_dir: str | os.PathLike | None = None) -> list[Run]:
+    """Every run in the runs folder, newest first."""
+    return [Run(r) for r in records.all_records(_root(runs_dir))]
+
+
+def _root(runs_dir) -> Path | None:
+    return Path(runs_dir).expanduser() if runs_dir is not None else None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""

@@ -1,0 +1,219 @@
+"""A run's record: its folder under the runs directory and ``record.json``, what any process
+can read later (the handle, ``gpufleet runs``, ``gpufleet status``) — docs/design.md.
+
+One process writes a record: the one that supervises the run (the caller of
+``.distributed()``, the CLI, or the background process of ``.submit()``). It names itself in
+the record (pid, its start time, host), so a reader can tell a run still going from one whose
+supervisor died without writing an end ("lost").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpufleet.errors import ConfigError, GpufleetError, RunFailedError, RunPreemptedError, RunTimeoutError
+from gpufleet.payload import write_private
+from gpufleet.rundir import RunDir, ensure_private_dir, new_id, runs_root
+
+if TYPE_CHECKING:
+    from gpufleet.errors import RunCancelledError
+
+QUEUED, RUNNING = "queued", "running"
+SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
+    "succeeded", "failed", "timeout", "cancelled", "preempted", "lost",
+)
+FINAL = (SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST)
+
+
+class Record:
+    """The folder ``<runs_dir>/<id>/`` of one run and its ``record.json``."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, runs_dir: Path | None, name: str, **fields) -> "Record":
+        root = runs_root(runs_dir)
+        ensure_private_dir(root)
+        record = cls(root / new_id(name))
+        record.path.mkdir(mode=0o700)
+        record._write({
+            "id": record.id, "name": name, "status": QUEUED, "created": time.time(),
+            "started": None, "ended": None, "attempts": [], "devices": [], "error": None,
+            **fields,
+        })
+        return record
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def file(self) -> Path:
+        return self.path / "record.json"
+
+    @property
+    def call(self) -> Path:
+        """A submitted run's call (function, arguments, options), for its supervisor."""
+        return self.path / "call.pkl"
+
+    @property
+    def outcome(self) -> Path:
+        """The error of a failed run, pickled, for ``Run.result()`` in any process."""
+        return self.path / "outcome.pkl"
+
+    @property
+    def supervisor_log(self) -> Path:
+        """What gpufleet itself printed while supervising a background run."""
+        return self.path / "supervisor.log"
+
+    def attempt(self, number: int) -> RunDir:
+        """The folder of attempt ``number`` (0: the first; a retry is a new attempt)."""
+        return RunDir(self.path / f"attempt-{number}")
+
+    def new_attempt(self) -> RunDir:
+        attempts = self.read()["attempts"]
+        run = RunDir.create_at(self.attempt(len(attempts)).path)
+        self.update(attempts=[*attempts, run.path.name])
+        return run
+
+    def last_attempt(self) -> RunDir | None:
+        attempts = self.read()["attempts"]
+        return RunDir(self.path / attempts[-1]) if attempts else None
+
+    def read(self) -> dict:
+        return json.loads(self.file.read_text())
+
+    def update(self, **fields) -> dict:
+        data = self.read()
+        data.update(fields)
+        self._write(data)
+        return data
+
+    def supervised_here(self) -> None:
+        """Name this process as the run's supervisor."""
+        self.update(supervisor={"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname()})
+
+    def begin(self, devices: tuple[str, ...] = ()) -> None:
+        self.update(status=RUNNING, started=time.time(), devices=list(devices))
+
+    def end(self, error: BaseException | None) -> None:
+        """The run is over: its error first (``outcome.pkl``, for ``Run.result()``), then the
+        final status, so a reader that sees the status finds the error."""
+        if error is not None:
+            self._keep(error)
+        self.update(status=status_of(error), ended=time.time(), error=_error_line(error))
+
+    def _keep(self, error: BaseException) -> None:
+        if isinstance(error, KeyboardInterrupt):
+            error = self.cancelled()
+        try:
+            write_private(self.outcome, pickle.dumps(error))
+        except Exception as exc:  # the status still says how it ended
+            write_private(self.outcome, pickle.dumps(GpufleetError(
+                f"{_error_line(error)} (the error itself could not be kept: {type(exc).__name__}: {exc})"
+            )))
+
+    def cancelled(self) -> "RunCancelledError":
+        from gpufleet.errors import RunCancelledError
+
+        data = self.read()
+        last = data["attempts"][-1] if data["attempts"] else ""
+        return RunCancelledError(
+            [], run_dir=self.path / last, world_size=data["gpus"],
+            headline=f"run {self.id} was cancelled: every rank was stopped",
+        )
+
+    def status(self) -> str:
+        """The recorded status, or "lost" when the run never ended and its supervisor is gone."""
+        data = self.read()
+        if data["status"] in FINAL or is_alive(data.get("supervisor")):
+            return data["status"]
+        return LOST
+
+    def _write(self, data: dict) -> None:
+        write_private(self.file, json.dumps(data, indent=1).encode())
+
+
+def find(run_id: str, runs_dir: Path | None = None) -> Record:
+    """A run by its id, a unique start of it, or its unique 6-digit end."""
+    root = runs_root(runs_dir)
+    exact = root / run_id
+    if run_id and "/" not in run_id and (exact / "record.json").is_file():
+        return Record(exact)
+    ids = [r.id for r in all_records(runs_dir)]
+    matches = [i for i in ids if i.startswith(run_id)] or [i for i in ids if i.endswith(run_id)]
+    if not run_id or not matches:
+        raise ConfigError(f"no run {run_id!r} in {root}; `gpufleet runs` lists the runs there")
+    if len(matches) > 1:
+        raise ConfigError(
+            f"run {run_id!r} is ambiguous in {root}: it matches {', '.join(matches[:5])}"
+            f"{' …' if len(matches) > 5 else ''}; give more of the id"
+        )
+    return Record(root / matches[0])
+
+
+def all_records(runs_dir: Path | None = None) -> list[Record]:
+    """Every run under the runs directory, newest first."""
+    root = runs_root(runs_dir)
+    if not root.is_dir():
+        return []
+    found = [Record(p) for p in root.iterdir() if (p / "record.json").is_file()]
+    return sorted(found, key=_created, reverse=True)
+
+
+def status_of(error: BaseException | None) -> str:
+    """The final status an outcome gives a run."""
+    from gpufleet.errors import RunCancelledError
+
+    if error is None:
+        return SUCCEEDED
+    if isinstance(error, (KeyboardInterrupt, RunCancelledError)):
+        return CANCELLED
+    if isinstance(error, RunTimeoutError):
+        return TIMEOUT
+    if isinstance(error, RunPreemptedError):
+        return PREEMPTED
+    return FAILED
+
+
+def _error_line(error: BaseException | None) -> str | None:
+    if error is None:
+        return None
+    if isinstance(error, RunFailedError):
+        return error.root_line()
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted: every rank was stopped"
+    return f"{type(error).__name__}: {error}"
+
+
+def _created(record: Record) -> float:
+    try:
+        return record.read()["created"]
+    except (OSError, ValueError, KeyError):
+        return 0.0
+
+
+def is_alive(supervisor: dict | None) -> bool:
+    """Whether the process a record names as its supervisor still runs."""
+    if not supervisor:
+        return True  # not started yet: its starter names it in a moment
+    if supervisor.get("host") != socket.gethostname():
+        return True  # another machine's process: trust the record
+    return _start_time(supervisor["pid"]) == supervisor["start"]
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot): a pid reused by another process
+    has another start time. None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])

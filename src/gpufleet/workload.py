@@ -1,0 +1,144 @@
+"""Workload files (``gpufleet submit workload.yaml``): a script, module or command with its
+GPUs, environment, parameters, retries, timeout and MLflow experiment, checked field by field
+before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufleet.errors import ConfigError
+
+# every field a workload file may have, and what it must be
+FIELDS = {
+    "name": "a string naming the run",
+    "script": "the path of a Python script (relative to the workload file)",
+    "module": "a Python module to run as `python -m`",
+    "command": "a command, as a string or a list of strings, run on every rank",
+    "args": "a list of strings passed to the script or module",
+    "gpus": "a whole number of GPUs (one process each)",
+    "gpu_type": "a GPU model name such as 'H100'",
+    "env": "a mapping of environment variable names to string values",
+    "parameters": "the path of a YAML or JSON file of parameters",
+    "max_retries": "a whole number ≥ 0",
+    "timeout": "seconds for the whole run",
+    "hang_timeout": "seconds without progress before the run counts as hung",
+    "experiment": "an MLflow experiment name",
+    "remote": "true to run on a Ray cluster",
+}
+ENTRY_POINTS = ("script", "module", "command")
+
+
+@dataclass
+class Workload:
+    """A checked workload file; ``folder`` is where it lies (its runs' working folder)."""
+
+    path: Path
+    folder: Path
+    entry: str  # "script", "module" or "command"
+    target: Any  # the script's path, the module's name, or the command
+    args: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # @distributed options
+    parameters: dict[str, Any] = field(default_factory=dict)
+    parameters_file: Path | None = None
+    experiment: str | None = None
+
+
+def load(path: str | os.PathLike) -> Workload:
+    path = Path(path).expanduser().resolve()
+    data = _read_mapping(path, "workload file")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"{path}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"valid fields are: {', '.join(FIELDS)}"
+        )
+    entries = [e for e in ENTRY_POINTS if e in data]
+    if len(entries) != 1:
+        raise ConfigError(
+            f"{path}: give exactly one of 'script', 'module' or 'command' (found "
+            f"{', '.join(map(repr, entries)) or 'none'})"
+        )
+    for name, value in data.items():
+        _check_type(path, name, value)
+    folder = path.parent
+    entry = entries[0]
+    target = data[entry]
+    if entry == "script":
+        target = str(_existing(path, folder, "script", target))
+    if entry == "command" and "args" in data:
+        raise ConfigError(f"{path}: 'args' goes with 'script' or 'module'; put them in 'command'")
+    workload = Workload(path, folder, entry, target, [str(a) for a in data.get("args", [])])
+    workload.options = {k: data[k] for k in ("name", "gpus", "gpu_type", "max_retries", "timeout",
+                                             "hang_timeout", "remote") if k in data}
+    workload.options["env"] = dict(data.get("env", {}))
+    if "parameters" in data:
+        workload.parameters_file = _existing(path, folder, "parameters", data["parameters"])
+        workload.parameters = _flat(_read_mapping(workload.parameters_file, "parameters file"))
+    workload.experiment = data.get("experiment")
+    return workload
+
+
+def _check_type(path: Path, name: str, value: Any) -> None:
+    ok = {
+        "name": isinstance(value, str) and value.strip(),
+        "script": isinstance(value, str) and value.strip(),
+        "module": isinstance(value, str) and value.strip(),
+        "command": (isinstance(value, str) and value.strip()) or (
+            isinstance(value, list) and value and all(isinstance(v, (str, int, float)) for v in value)),
+        "args": isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value),
+        "gpus": isinstance(value, int) and not isinstance(value, bool),
+        "gpu_type": isinstance(value, str),
+        "env": isinstance(value, Mapping) and all(
+            isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)
+            for k, v in value.items()),
+        "parameters": isinstance(value, str) and value.strip(),
+        "max_retries": isinstance(value, int) and not isinstance(value, bool),
+        "timeout": (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None,
+        "hang_timeout": (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None,
+        "experiment": isinstance(value, str) and value.strip(),
+        "remote": isinstance(value, bool),
+    }[name]
+    if not ok:
+        raise ConfigError(f"{path}: field {name!r} is {value!r}; it must be {FIELDS[name]}")
+
+
+def _existing(path: Path, folder: Path, name: str, value: str) -> Path:
+    found = (folder / Path(value).expanduser()).resolve()
+    if not found.is_file():
+        raise ConfigError(f"{path}: field {name!r}: no file {found}")
+    return found
+
+
+def _read_mapping(path: Path, what: str) -> dict:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise ConfigError(f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"the {what} {path} must hold a mapping of fields, found {type(data).__name__}")
+    return data
+
+
+def _flat(data: Mapping, prefix: str = "") -> dict[str, Any]:
+    """Nested parameters as MLflow params: {"optim": {"lr": 0.1}} -> {"optim.lr": 0.1}."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
