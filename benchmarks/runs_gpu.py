@@ -117,8 +117,27 @@ def detached_run() -> None:
           f"{run_id}: {run.result()}")
 
 
+@gpufleet.distributed(tracking=False)
+def rank_of() -> int:
+    from gpufleet import runtime
+
+    runtime.setup()
+    return runtime.get_global_rank()
+
+
+def cold_calls() -> None:
+    """Cold-call time with a record per call (compare launch_overhead's gpufleet cold)."""
+    times = []
+    for _ in range(3):
+        started = time.monotonic()
+        assert rank_of.distributed() == list(range(torch.cuda.device_count()))
+        times.append(time.monotonic() - started)
+    print(f"INFO  cold .distributed() on every GPU: {', '.join(f'{t:.2f}' for t in times)} s", flush=True)
+
+
 if __name__ == "__main__":
     print(f"gpufleet runs on {torch.cuda.device_count()} × {torch.cuda.get_device_name()}", flush=True)
+    cold_calls()
     cli_run_with_nccl()
     concurrent_submits()
     detached_run()
