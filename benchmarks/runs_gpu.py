@@ -54,7 +54,8 @@ def cli_run_with_nccl() -> None:
     ok = subprocess.run([*CLI, "run", "--gpus", str(n), str(script), "0"], capture_output=True, text=True)
     want = n * (n + 1) // 2
     check("gpufleet run: NCCL all_reduce on every GPU", ok.returncode == 0 and ok.stdout.count(f"sum {want}") == n,
-          f"exit {ok.returncode}, {time.monotonic() - started:.1f} s, {ok.stdout.count(f'sum {want}')}/{n} ranks")
+          f"exit {ok.returncode}, {time.monotonic() - started:.1f} s, {ok.stdout.count(f'sum {want}')}/{n} ranks"
+          + ("" if ok.returncode == 0 else f"\n{ok.stdout[-3000:]}\n{ok.stderr[-3000:]}"))
     bad = subprocess.run([*CLI, "run", "--gpus", str(n), str(script), "3"], capture_output=True, text=True)
     check("gpufleet run: a script's sys.exit(3) fails the run", bad.returncode == 1 and "exited with status 3" in bad.stderr,
           f"exit {bad.returncode}")

@@ -29,10 +29,12 @@ class DistributedFunction(Generic[R]):
                 f"@distributed decorates a function, got {fn!r} (of type {type(fn).__name__}); "
                 "put it on a `def`"
             )
+        if isinstance(fn, DistributedFunction):  # decorated again: the new options win
+            fn = fn._fn
+        functools.update_wrapper(self, fn)  # before our own attributes: it copies fn.__dict__
         self._fn = fn
         self._options = options
         self.last_run: Path | None = None  # the folder of the last attempt started here
-        functools.update_wrapper(self, fn)
 
     @property
     def run_options(self) -> RunOptions:
@@ -62,7 +64,7 @@ class DistributedFunction(Generic[R]):
                 "for the run here: drop detach, or call .submit()"
             )
         call = self._prepare(args, kwargs)
-        record = call.record(supervisor=None)
+        record = call.record(detached=False)
         record.supervised_here()
         return calls.execute(call, record, on_attempt=self._started)
 

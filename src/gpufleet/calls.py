@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,7 +80,6 @@ class _Execution:
         self.lease: devices.Lease | None = None
         self.began = False
         self.deadline: float | None = None
-        self.teardown: threading.Thread | None = None  # the last attempt's ranks exiting
         self.tracking = PendingTracking(self.opts.tracking, call.name, {
             "function": call.function, "gpus": call.placement.nprocs,
             "world_size": call.placement.nprocs, "device": call.placement.device, **call.params,
@@ -188,26 +186,14 @@ class _Execution:
             self.tracking if self.tracking.enabled else None, attempt,
             launcher=pool_folder, pooled=pool_folder is not None, monitor=monitor,
         )
-        try:
-            return supervisor.wait(self.deadline)
-        finally:
-            self.teardown = supervisor.teardown
+        return supervisor.wait(self.deadline)
 
     def _release_devices(self) -> None:
-        """Free the devices once the ranks are gone (after the values went back, the ranks
-        may still be exiting)."""
-        lease, teardown = self.lease, self.teardown
-        if lease is None or not lease.ids:
-            return
-        if teardown is None or not teardown.is_alive():
-            lease.release()
-            return
-
-        def release_after_teardown():
-            teardown.join()
-            lease.release()
-
-        threading.Thread(target=release_after_teardown, name="gpufleet-devices").start()
+        """Free the devices once the values are back: the ranks may still be exiting (their
+        CUDA and NCCL teardown, about a second), which the next run of this process, or of
+        the line, overlaps, as it would after a torchrun job returned."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 def retryable(error: RunFailedError, no_retry: tuple) -> bool:

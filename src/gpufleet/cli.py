@@ -26,6 +26,7 @@ EXIT_OF_STATUS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.runs_dir = args.runs_dir or args.global_runs_dir
     try:
         return args.command(args)
     except (ConfigError, PayloadError) as exc:
@@ -55,7 +56,7 @@ def cmd_run(args) -> int:
     argv = [what, *fn_args[1]]
     if args.detach:
         return _started(handles.submit(call, argv=argv), args.json)
-    record = call.record(argv=argv)
+    record = call.record(argv=argv, detached=False)
     record.supervised_here()
     return _foreground(call, record)
 
@@ -199,17 +200,18 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    runs_dir_help = "the runs folder (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)"
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--runs-dir", type=Path, default=argparse.SUPPRESS,
-                        help="the runs folder (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)")
+    common.add_argument("--runs-dir", type=Path, help=runs_dir_help)
     parser = argparse.ArgumentParser(
-        prog="gpufleet", parents=[common],
+        prog="gpufleet",
         description="Run scripts and workload files on this machine's GPUs (or a Ray cluster); "
         "list, follow and cancel runs.",
         epilog="exit status: 0 success, 1 run failed or not found, 2 bad usage, 124 timeout, "
         "130 interrupted or cancelled, 143 preempted",
     )
-    parser.set_defaults(runs_dir=None)
+    # before the command too; its own dest, as a subcommand's default would overwrite it
+    parser.add_argument("--runs-dir", type=Path, dest="global_runs_dir", help=runs_dir_help)
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", parents=[common], help="run a script on N GPUs, as torchrun would",

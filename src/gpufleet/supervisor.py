@@ -103,7 +103,6 @@ class Supervisor:
         self.progress = progress.ProgressFile(run.progress)
         self.monitor = monitor or RunMonitor(run, world_size, self.launcher.nccl_traces)
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
-        self.teardown: threading.Thread | None = None  # the ranks' exit after a returned call
 
     def wait(self, deadline: float | None = None) -> list:
         """Block until every rank is done; return their values in rank order or raise.
@@ -194,8 +193,7 @@ class Supervisor:
             if not self.pooled:  # the values go back while the ranks and the agent exit
                 # not a daemon: a script that ends right after the call still lets its ranks
                 # finish their exit (atexit hooks, NCCL teardown) before the agent goes
-                self.teardown = threading.Thread(target=self._teardown, name="gpufleet-teardown")
-                self.teardown.start()
+                threading.Thread(target=self._teardown, name="gpufleet-teardown").start()
         return values
 
     def _end_ranks(self) -> None:
