@@ -43,7 +43,7 @@ def cli_run_with_nccl() -> None:
     script.write_text(textwrap.dedent("""
         import os, sys, torch, torch.distributed as dist
         dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
-        t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+        t = torch.ones(1, device=f"cuda:{os.environ['LOCAL_RANK']}") * (dist.get_rank() + 1)
         dist.all_reduce(t)
         print("sum", int(t.item()), "gpu", torch.cuda.get_device_name(), flush=True)
         dist.destroy_process_group()

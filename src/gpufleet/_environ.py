@@ -19,6 +19,7 @@ TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run fold
 POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
 POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory between calls
 VIRTUAL_GPUS = "GPUFLEET_VIRTUAL_GPUS"  # a machine without GPUs schedules runs as if it had N
+DEVICE_TICKET = "GPUFLEET_DEVICE_TICKET"  # a submitted run's place in line for devices
 PARAMETERS = "GPUFLEET_PARAMETERS"  # a workload's parameters file, for its ranks
 RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use by default
 
@@ -104,6 +105,10 @@ def virtual_gpus() -> int:
 
         raise ConfigError(f"{VIRTUAL_GPUS}={value!r} must be a whole number of GPUs, e.g. 4")
     return int(value)
+
+
+def device_ticket() -> str | None:
+    return os.environ.get(DEVICE_TICKET) or None
 
 
 def cuda_visible_devices() -> str | None:

@@ -8,11 +8,12 @@ not detached ends with the script or notebook that submitted it.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
 
-from gpufleet import _environ, _process, calls
+from gpufleet import _environ, _process, calls, devices
 from gpufleet.payload import load_private
 from gpufleet.records import Record
 
@@ -24,9 +25,12 @@ def main(argv: list[str]) -> int:
     if parent is not None:
         _process.die_with_parent(signal.SIGINT, parent)
     call = load_private(record.call)
-    call.options = call.options.replace(logs="none")  # the ranks' own log files hold them
+    # the ranks' own log files hold their lines; a warm pool would die with this process anyway
+    call.options = call.options.replace(logs="none", warm=False)
+    ticket = _environ.device_ticket()
+    os.environ.pop(_environ.DEVICE_TICKET, None)  # the ranks have no use for it
     try:
-        calls.execute(call, record)
+        calls.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
     except KeyboardInterrupt:
         print(f"gpufleet: run {record.id} cancelled", flush=True)
         return 130

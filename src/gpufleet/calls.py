@@ -62,18 +62,21 @@ class Call:
         )
 
 
-def execute(call: Call, record: Record, on_attempt: Callable[[Path], None] | None = None) -> list:
-    """Run the call to its end in this process; the record says how it went."""
+def execute(call: Call, record: Record, on_attempt: Callable[[Path], None] | None = None,
+            ticket: devices.Ticket | None = None) -> list:
+    """Run the call to its end in this process; the record says how it went. ``ticket``: its
+    place in line for devices, taken when it was submitted."""
     if call.placement.device == "cpu":
         print(f"gpufleet: {call.placement.describe()}", file=sys.stderr, flush=True)
-    return _Execution(call, record, on_attempt).run()
+    return _Execution(call, record, on_attempt, ticket).run()
 
 
 class _Execution:
     """The state of one call while it runs: its attempts, devices and MLflow run."""
 
-    def __init__(self, call: Call, record: Record, on_attempt):
+    def __init__(self, call: Call, record: Record, on_attempt, ticket):
         self.call = call
+        self.ticket = ticket
         self.record = record
         self.on_attempt = on_attempt or (lambda path: None)
         self.opts = call.options
@@ -151,7 +154,7 @@ class _Execution:
                 self.lease = devices.acquire(
                     self.call.placement.nprocs, self.record.id, self._queued,
                     stopped=lambda: self.preemption.requested_at is not None,
-                    since=self.record.read()["created"],
+                    since=self.record.read()["created"], ticket=self.ticket,
                 )
                 if self.lease is None:
                     raise RunPreemptedError(

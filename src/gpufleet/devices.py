@@ -61,16 +61,18 @@ def visible() -> list[str]:
 def acquire(
     count: int, owner: str, on_wait: Callable[[list[str]], None] | None = None,
     stopped: Callable[[], bool] = lambda: False, since: float | None = None,
+    ticket: "Ticket | None" = None,
 ) -> Lease | None:
     """Hold ``count`` free devices of this machine for ``owner`` (a run id), waiting in line
     while too few are free. ``on_wait(holders)`` is called once, when the run starts waiting,
     with the runs that hold the devices it could use; None once ``stopped()`` while waiting.
-    ``since``: when the run was asked for (its place in line; default now)."""
+    ``since``: when the run was asked for (its place in line; default now); ``ticket``: a
+    place in line taken earlier (``reserve``), by the process that submitted the run."""
     names = visible()
     if count > len(names):  # hardware.place refused this already; a safety net
         raise RuntimeError(f"{count} devices asked for, {len(names)} visible")
     root = _root()
-    ticket = _Ticket.take(root / "queue", owner, since)
+    ticket = ticket or Ticket.take(root / "queue", owner, since)
     try:
         waiting = False
         while True:
@@ -87,6 +89,18 @@ def acquire(
             time.sleep(POLL_SECONDS)
     finally:
         ticket.drop()
+
+
+def reserve(owner: str, since: float) -> "Ticket":
+    """A place in line now, for a run whose own process starts in a moment (a submitted
+    run): runs submitted one after the other then get their devices in that order."""
+    return Ticket.take(_root() / "queue", owner, since)
+
+
+def adopt(spec: str) -> "Ticket":
+    """The place in line a submitting process reserved and handed over (``Ticket.spec``)."""
+    fd, path = spec.split(":", 1)
+    return Ticket(Path(path), int(fd))
 
 
 def holders(root: Path | None = None, names: list[str] | None = None) -> list[str]:
@@ -119,20 +133,28 @@ def _take(root: Path, names: list[str], count: int, owner: str) -> Lease | None:
     return None
 
 
-class _Ticket:
+class Ticket:
     """A place in line: ``queue/<time>-<pid>``, flock-ed by its waiter while it waits."""
 
     def __init__(self, path: Path, fd: int):
         self.path, self.fd = path, fd
 
     @classmethod
-    def take(cls, folder: Path, owner: str, since: float | None) -> "_Ticket":
+    def take(cls, folder: Path, owner: str, since: float | None) -> "Ticket":
         folder.mkdir(mode=0o700, exist_ok=True)
         stamp = time.time_ns() if since is None else int(since * 1e9)
         path = folder / f"{stamp:020d}-{os.getpid()}-{_safe(owner)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         return cls(path, fd)
+
+    def spec(self) -> str:
+        """How a child process that inherits the descriptor finds the ticket."""
+        return f"{self.fd}:{self.path}"
+
+    def hand_over(self) -> None:
+        """Close this process's descriptor: the child that inherited it holds the place."""
+        os.close(self.fd)
 
     def first(self) -> bool:
         """Whether no live ticket is older; tickets of waiters that died are removed."""

@@ -150,15 +150,29 @@ class Run:
 
 def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **fields) -> Run:
     """Start ``call`` (``calls.Call``) in a background supervising process, in ``cwd`` (default
-    this process's) with ``env`` added to its environment; ``fields`` go into the record."""
+    this process's) with ``env`` added to its environment; ``fields`` go into the record. Its
+    place in line for devices is taken now, so runs submitted in a row start in that order."""
     import cloudpickle
+
+    from gpufleet import devices
 
     record = call.record(detached=call.options.detach, **fields)
     write_private(record.call, cloudpickle.dumps(call))
-    return Run(record, _start_supervisor(record, call.options.detach, cwd, env or {}))
+    env = dict(env or {})
+    ticket = None
+    if call.placement.takes_devices and not call.options.remote:
+        ticket = devices.reserve(record.id, record.read()["created"])
+        env[_environ.DEVICE_TICKET] = ticket.spec()
+    try:
+        process = _start_supervisor(record, call.options.detach, cwd, env, ticket)
+    finally:
+        if ticket is not None:
+            ticket.hand_over()
+    return Run(record, process)
 
 
-def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: dict[str, str]) -> subprocess.Popen:
+def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: dict[str, str],
+                      ticket) -> subprocess.Popen:
     """``python -m gpufleet._submitted RECORD`` in its own session, its output in the run's
     supervisor.log. Without ``detach`` it dies with this process (the death signal follows
     the thread that starts it: the launcher's long-lived starter thread)."""
@@ -173,7 +187,7 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
         return _starter().run(
             subprocess.Popen, [sys.executable, "-m", "gpufleet._submitted", str(record.path)],
             env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, pass_fds=(ticket.fd,) if ticket is not None else (),
         )
     finally:
         os.close(log)
