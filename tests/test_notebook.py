@@ -191,3 +191,50 @@ def test_interrupting_a_running_cell_stops_every_rank(kernel_env):
                                                if m["msg_type"] == "error"])
     finally:
         kernel.shutdown()
+
+
+SUBMIT_CELL = """
+import os, time
+from gpufleet import distributed, runtime
+
+
+@distributed(gpus=2, runs_dir={runs!r}, timeout=120)
+def slow_sum(go):
+    runtime.setup(timeout=30)
+    while not os.path.exists(go):  # the test says when to go on, after the kernel is gone
+        time.sleep(0.1)
+    print(f"rank {{runtime.get_global_rank()}} went on", flush=True)
+    return runtime.get_global_rank() * 10
+
+
+kept = slow_sum.options(detach=True).submit({go!r})
+tied = slow_sum.submit({go!r})
+while kept.status() != "running" or tied.status() != "running":
+    time.sleep(0.1)
+print("IDS", kept.id, tied.id)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_detached_run_survives_its_kernel_and_is_reattached(kernel_env):
+    """A detached run goes on after its kernel is shut down; another process gets its logs
+    and result by id. A run submitted without detach is cancelled with its kernel."""
+    import gpufleet
+
+    runs, go = kernel_env / "runs", kernel_env / "go"
+    kernel = Kernel(kernel_env)
+    try:
+        msg_id = kernel.execute(SUBMIT_CELL.format(runs=str(runs), go=str(go)))
+        text, msgs = kernel.read_until(msg_id, lambda text, _: "IDS" in text, timeout=90)
+    finally:
+        kernel.shutdown()  # the kernel process is killed
+    kept_id, tied_id = text.split("IDS", 1)[1].split()[:2]
+    assert not psutil.pid_exists(kernel.pid) or psutil.Process(kernel.pid).status() == psutil.STATUS_ZOMBIE
+
+    tied = gpufleet.attach(tied_id, runs_dir=runs)
+    assert tied.wait(30) == "cancelled", "a run submitted without detach ends with its kernel"
+    kept = gpufleet.attach(kept_id, runs_dir=runs)
+    assert kept.status() == "running", kept.record()
+    go.write_text("")
+    assert kept.result(timeout=60) == [0, 10]
+    assert "[rank 1] rank 1 went on" in kept.logs()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpufleet import ConfigError, RunFailedError, RunTimeoutError, distributed, runtime
@@ -126,3 +128,48 @@ def test_a_caller_inside_an_mlflow_run_has_the_ranks_log_into_it(runs_dir, monke
     assert status_during == "RUNNING", "the caller's own run is left to the caller"
     assert _runs_of("joins_callers_run") == [], "no run of its own"
     assert run.info.experiment_id == experiment.experiment_id
+
+
+def test_a_cancelled_submitted_run_is_killed_in_mlflow_and_named_in_its_record(runs_dir):
+    @distributed(gpus=2, runs_dir=runs_dir)
+    def tracked_cancel():
+        import time
+
+        from gpufleet import log_metrics
+
+        runtime.setup()
+        log_metrics({"loss": 2.0}, step=0)
+        print("logged", flush=True)
+        time.sleep(120)
+
+    run = tracked_cancel.submit()
+    while "logged" not in run.logs(rank=0):
+        assert not run.done(), run.logs()
+        time.sleep(0.1)
+    assert run.cancel() == "cancelled"
+
+    (tracked,) = _runs_of("tracked_cancel")
+    assert tracked.info.status == "KILLED"
+    assert tracked.data.metrics["loss"] == 2.0
+    assert run.record()["mlflow_run_id"] == tracked.info.run_id, "the record links its MLflow run"
+
+
+def test_a_workload_file_sets_the_experiment_and_its_parameters(runs_dir, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "job.py").write_text("print('step')\n")
+    (tmp_path / "params.yaml").write_text("lr: 0.003\noptim: {beta: 0.9}\n")
+    (tmp_path / "work.yaml").write_text(
+        "script: job.py\ngpus: 2\nparameters: params.yaml\nexperiment: sweeps\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpufleet", "submit", "--runs-dir", str(runs_dir), "--follow",
+         str(tmp_path / "work.yaml")], capture_output=True, text=True, timeout=100,
+    )
+    assert done.returncode == 0, done.stderr
+    client = mlflow.MlflowClient()  # the suite's store (MLFLOW_TRACKING_URI)
+    experiment = client.get_experiment_by_name("sweeps")
+    assert experiment is not None, "the workload's experiment"
+    (tracked,) = client.search_runs([experiment.experiment_id])
+    assert tracked.data.params["lr"] == "0.003" and tracked.data.params["optim.beta"] == "0.9"
+    assert tracked.info.status == "FINISHED"
