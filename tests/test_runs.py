@@ -562,3 +562,75 @@ def test_gpus_none_takes_every_virtual_gpu(runs_dir, monkeypatch):
     assert visible is not None and sorted(visible.split(",")) == ["0", "1"], results
     (run,) = gpufleet.runs(runs_dir=runs_dir)
     assert sorted(str(d) for d in run.record()["devices"]) == ["0", "1"]
+
+
+# ---------------------------------------------------------------------------- edge cases
+
+
+def test_a_supervisor_killed_with_sigkill_reads_as_lost_and_leaves_no_rank(runs_dir, tmp_path):
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=120)
+    def forever(pid_dir):
+        import os
+        import time
+
+        runtime.setup(timeout=60)
+        with open(f"{pid_dir}/rank-{runtime.get_global_rank()}", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    run = forever.submit(str(pid_dir))
+    deadline = time.monotonic() + 60
+    while len(list(pid_dir.iterdir())) < 2:
+        assert time.monotonic() < deadline and not run.done(), run.logs()
+        time.sleep(0.1)
+    ranks = rank_processes(pid_dir)
+    os.kill(run.record()["supervisor"]["pid"], signal.SIGKILL)
+
+    other = gpufleet.attach(run.id, runs_dir=runs_dir)  # as another process reads it
+    assert other.wait(20) == "lost"
+    assert_all_gone(ranks, what="ranks of a run whose supervisor was killed")
+
+
+def test_cancel_reaches_a_call_made_in_a_thread(runs_dir):
+    errors = []
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=120)
+    def napping():
+        import time
+
+        runtime.setup(timeout=60)
+        print("napping", flush=True)
+        time.sleep(300)
+
+    def call():
+        try:
+            napping.distributed()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not gpufleet.runs(runs_dir=runs_dir) or "napping" not in gpufleet.runs(runs_dir=runs_dir)[0].logs(rank=0):
+        assert time.monotonic() < deadline and thread.is_alive(), errors
+        time.sleep(0.1)
+    (run,) = gpufleet.runs(runs_dir=runs_dir)
+    assert run.cancel() == "cancelled"
+    thread.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], gpufleet.RunCancelledError), errors
+
+
+def test_a_cold_call_inside_a_pool_that_holds_every_gpu_is_an_error(runs_dir, monkeypatch):
+    monkeypatch.setenv("GPUFLEET_VIRTUAL_GPUS", "2")
+
+    @distributed(gpus=1, runs_dir=runs_dir, timeout=60)
+    def one():
+        return runtime.get_world_size()
+
+    with gpufleet.pool(gpus=2, runs_dir=runs_dir) as warm:
+        with pytest.raises(ConfigError, match="pool") as caught:
+            one.distributed()
+        assert str(warm.folder) in str(caught.value)
+    assert one.distributed() == [1], "once the pool is closed its GPUs are free"

@@ -87,7 +87,7 @@ def caller_umask() -> int | None:
 
 
 def gpufleet_home() -> Path:
-    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet")
+    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet").expanduser().absolute()
 
 
 def ray_address() -> str | None:

@@ -1,9 +1,10 @@
 """The background supervisor of a submitted run: ``python -m gpufleet._submitted RUN_FOLDER``.
 
 It runs the call exactly as ``.distributed()`` would in the caller (``calls.execute``) and
-leaves the outcome in the run's record. SIGINT (``Run.cancel()``) stops every rank, as Ctrl-C
-does in a caller. Started with GPUFLEET_PARENT_PID it dies with that process: a run that was
-not detached ends with the script or notebook that submitted it.
+leaves the outcome in the run's record. ``Run.cancel()`` asks through the run folder (the
+supervisor polls for it); SIGINT stops every rank too, as Ctrl-C does in a caller. Started
+with GPUFLEET_PARENT_PID it dies with that process (SIGINT): a run that was not detached ends
+with the script or notebook that submitted it.
 """
 
 from __future__ import annotations
@@ -19,16 +20,23 @@ from gpufleet.records import Record
 
 
 def main(argv: list[str]) -> int:
+    # a submitter started in the background (`cmd &`) ignores SIGINT, and so would this
+    # process: Ctrl-C, the death signal and cancel's last resort all rely on it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     record = Record(Path(argv[1]))
     record.supervised_here()
     parent = _environ.parent_pid()
     if parent is not None:
         _process.die_with_parent(signal.SIGINT, parent)
-    call = load_private(record.call)
-    # the ranks' own log files hold their lines; a warm pool would die with this process anyway
-    call.options = call.options.replace(logs="none", warm=False)
     ticket = _environ.device_ticket()
     os.environ.pop(_environ.DEVICE_TICKET, None)  # the ranks have no use for it
+    try:
+        call = load_private(record.call)
+        # the ranks' own log files hold their lines; a warm pool would die with this process
+        call.options = call.options.replace(logs="none", warm=False)
+    except BaseException as exc:  # the call never ran: its record says why
+        record.end(exc)
+        raise
     try:
         calls.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
     except KeyboardInterrupt:

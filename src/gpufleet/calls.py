@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, devices, hardware, launchers, pools
-from gpufleet.errors import RunFailedError, RunPreemptedError, RunTimeoutError
+from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.hardware import Placement
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, write_private
@@ -97,12 +97,14 @@ class _Execution:
             outcome = exc
             raise
         finally:
-            if self.tracking.run_id:
-                self.record.update(mlflow_run_id=self.tracking.run_id)
-            self.record.end(outcome)
-            if self.tracking.enabled:
-                self.tracking.close(tracking_status(outcome))
-            self._release_devices()
+            try:
+                self._release_devices()  # first: nothing below may keep the GPUs held
+            finally:
+                if self.tracking.run_id:
+                    self.record.update(mlflow_run_id=self.tracking.run_id)
+                self.record.end(outcome)
+                if self.tracking.enabled:
+                    self.tracking.close(tracking_status(outcome))
 
     def _attempts(self) -> list:
         earlier: list[RunFailedError] = []
@@ -150,22 +152,32 @@ class _Execution:
     def _hold_devices(self, run: RunDir) -> None:
         """Take this machine's devices for the call (once: retries keep them)."""
         if self.lease is None:
-            if self.call.placement.takes_devices:
+            # a run started inside a rank uses the rank's own devices, which its run holds
+            if self.call.placement.takes_devices and _environ.run_dir() is None:
                 self.lease = devices.acquire(
                     self.call.placement.nprocs, self.record.id, self._queued,
-                    stopped=lambda: self.preemption.requested_at is not None,
-                    since=self.record.read()["created"], ticket=self.ticket,
+                    stopped=self._stop_waiting, since=self.record.read()["created"],
+                    ticket=self.ticket,
                 )
                 if self.lease is None:
-                    raise RunPreemptedError(
-                        [], run_dir=run.path, world_size=self.call.placement.nprocs,
-                        headline="SIGTERM while the run waited for free GPUs: it never started",
-                    )
+                    raise self._stopped_while_queued(run)
             else:
                 self.lease = devices.Lease()
         self._begin(run, self.lease.ids)
 
+    def _stop_waiting(self) -> bool:
+        return self.preemption.requested_at is not None or self.record.cancel_request.exists()
+
+    def _stopped_while_queued(self, run: RunDir) -> RunFailedError:
+        if self.preemption.requested_at is None:
+            return self.record.cancelled()
+        return RunPreemptedError(
+            [], run_dir=run.path, world_size=self.call.placement.nprocs,
+            headline="SIGTERM while the run waited for free GPUs: it never started",
+        )
+
     def _queued(self, holders: list[str]) -> None:
+        pools.give_up_devices(holders)  # this process's own idle pools would hold them forever
         held = f" (held by {', '.join(sorted(set(holders)))})" if holders else ""
         n = self.call.placement.nprocs
         print(
@@ -201,8 +213,8 @@ class _Execution:
 
 def retryable(error: RunFailedError, no_retry: tuple) -> bool:
     """A timeout ends the call (it bounds all attempts), a preemption too (this process is
-    going away); so does a root cause in no_retry."""
-    if isinstance(error, (RunTimeoutError, RunPreemptedError)):
+    going away), and a cancel; so does a root cause in no_retry."""
+    if isinstance(error, (RunTimeoutError, RunPreemptedError, RunCancelledError)):
         return False
     cause = error.__cause__
     if cause is not None:

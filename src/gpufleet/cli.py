@@ -38,22 +38,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def cmd_run(args) -> int:
     """Run a script on every rank here, in the foreground (or detached)."""
-    if args.module:
-        fn, fn_args, name, what = _script.run_module, (args.module, args.args), args.module, f"-m {args.module}"
+    words = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if args.module == []:
+        raise ConfigError("-m needs a module name: gpufleet run [options] -m package.module [args ...]")
+    if args.module:  # -m takes the rest of the line: the module and its own arguments
+        module, *rest = args.module
+        fn, fn_args, name, what, kind = _script.run_module, (module, rest), module, module, "module"
+        argv = ["-m", module, *rest]
     else:
-        if not args.args:
+        if not words:
             raise ConfigError("give a script to run: gpufleet run [options] script.py [args ...] (or -m module)")
-        script, *rest = args.args
+        script, *rest = words
         if not Path(script).is_file():
             raise ConfigError(f"script {script!r} not found (from {os.getcwd()})")
-        fn, fn_args, name, what = _script.run_script, (script, rest), Path(script).stem, script
+        fn, fn_args, name, what, kind = _script.run_script, (script, rest), Path(script).stem, script, "script"
+        argv = [script, *rest]
     options = RunOptions.create(
         gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_retries=args.max_retries,
         timeout=args.timeout, name=args.name, env=_env_pairs(args.env), runs_dir=args.runs_dir,
         detach=args.detach,
     )
-    call = calls.Call.prepare(fn, fn_args, {}, options, name, what, kind="script")
-    argv = [what, *fn_args[1]]
+    call = calls.Call.prepare(fn, fn_args, {}, options, name, what, kind=kind)
     if args.detach:
         return _started(handles.submit(call, argv=argv), args.json)
     record = call.record(argv=argv, detached=False)
@@ -108,7 +113,7 @@ def cmd_runs(args) -> int:
 def cmd_logs(args) -> int:
     run = handles.attach(args.run, args.runs_dir)
     if args.follow:
-        run.logs(args.rank, follow=True)
+        run.logs(args.rank, follow=True)  # Ctrl-C: 130, and the run goes on
         return 0
     sys.stdout.write(run.logs(args.rank))
     return 0
@@ -227,7 +232,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for every rank (repeatable)")
     run.add_argument("--detach", action="store_true", help="start in the background, print the run id and return")
     run.add_argument("--json", action="store_true", help="with --detach: print the run as JSON")
-    run.add_argument("-m", dest="module", help="run a module, as python -m does")
+    run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
+                     help="run a module, as python -m does (the rest of the line is its own)")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
     run.set_defaults(command=cmd_run)
 

@@ -45,12 +45,11 @@ def visible() -> list[str]:
     """This process's devices, by the names the ranks' ``CUDA_VISIBLE_DEVICES`` takes: the
     caller's own list when it set one, else 0..N-1; ``GPUFLEET_VIRTUAL_GPUS`` on a machine
     without GPUs."""
-    virtual = _environ.virtual_gpus()
-    if virtual:
-        return [str(i) for i in range(virtual)]
     import torch
 
     count = torch.cuda.device_count()
+    if count == 0:  # as hardware.place: virtual GPUs only where there are no real ones
+        return [str(i) for i in range(_environ.virtual_gpus())]
     names = _environ.cuda_visible_devices()
     if names is not None:
         listed = [n.strip() for n in names.split(",") if n.strip()]
@@ -144,8 +143,9 @@ class Ticket:
         folder.mkdir(mode=0o700, exist_ok=True)
         stamp = time.time_ns() if since is None else int(since * 1e9)
         path = folder / f"{stamp:020d}-{os.getpid()}-{_safe(owner)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with _locked(folder.parent / "lock"):  # never seen unlocked (and removed as stale)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         return cls(path, fd)
 
     def spec(self) -> str:

@@ -5,10 +5,13 @@ process (docs/design.md, "Run records and handles").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -20,7 +23,8 @@ from gpufleet.payload import write_private
 from gpufleet.records import Record
 
 POLL_SECONDS = 0.1
-CANCEL_WAIT_SECONDS = 120.0  # the ranks' stop (seconds) and the supervisor's own end
+CANCEL_ANSWER_SECONDS = 30.0  # for the supervisor to see the request and stop the ranks
+CANCEL_WAIT_SECONDS = 60.0  # then, after an interrupt, for it to end
 
 
 class Run:
@@ -86,8 +90,8 @@ class Run:
 
     def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None) -> str | None:
         """The last attempt's output: every rank's lines prefixed ``[rank N]``, or one rank's
-        own text. ``follow=True`` prints them as they come until the run ends (Ctrl-C stops
-        following, not the run) and returns None."""
+        own text. ``follow=True`` prints them as they come until the run ends and returns
+        None; Ctrl-C stops following (KeyboardInterrupt), not the run."""
         world = self._ranks(rank)
         if follow:
             self._follow(rank, world, out or sys.stdout)
@@ -102,16 +106,26 @@ class Run:
         )
 
     def cancel(self) -> str:
-        """Stop every rank (as Ctrl-C would) and wait for the run to end; its final status.
-        Cancelling an ended run changes nothing."""
+        """Stop every rank and wait for the run to end; its final status ("cancelled", or
+        how it had ended already: cancelling an ended run changes nothing). A queued run
+        ends without starting."""
         if self.done():
             return self.status()
-        supervisor = self.record().get("supervisor")
-        while supervisor is None and not self.done():  # a run submitted a moment ago
-            time.sleep(POLL_SECONDS)
-            supervisor = self.record().get("supervisor")
-        if supervisor is not None and records.is_alive(supervisor):
-            os.kill(supervisor["pid"], signal.SIGINT)
+        supervisor = self.record().get("supervisor") or {}
+        if supervisor.get("host", socket.gethostname()) != socket.gethostname():
+            raise ConfigError(
+                f"run {self.id} is supervised on {supervisor['host']}: cancel it there "
+                f"(gpufleet cancel {self.id})"
+            )
+        write_private(self._record.cancel_request, b"cancel\n")  # its supervisor polls for it
+        try:
+            return self.wait(CANCEL_ANSWER_SECONDS)
+        except TimeoutError:
+            pass
+        data = self.record()  # a background supervisor that does not answer: interrupt it
+        if data.get("background") and records.is_alive(data.get("supervisor"), data["created"]):
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(data["supervisor"]["pid"], signal.SIGINT)
         return self.wait(CANCEL_WAIT_SECONDS)
 
     def _ranks(self, rank: int | None) -> int:
@@ -125,7 +139,7 @@ class Run:
             return rank is None or r == rank
 
         attempt = follower = None
-        try:
+        try:  # Ctrl-C stops following (KeyboardInterrupt), not the run
             while True:
                 ended = self.done()
                 latest = self._record.last_attempt()
@@ -138,8 +152,6 @@ class Run:
                 if ended:
                     break
                 time.sleep(POLL_SECONDS)
-        except KeyboardInterrupt:
-            pass  # stop following; the run goes on
         finally:
             if follower is not None:
                 follower.close()
@@ -156,18 +168,23 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
 
     from gpufleet import devices
 
-    record = call.record(detached=call.options.detach, **fields)
-    write_private(record.call, cloudpickle.dumps(call))
+    record = call.record(detached=call.options.detach, background=True, **fields)
     env = dict(env or {})
     ticket = None
-    if call.placement.takes_devices and not call.options.remote:
-        ticket = devices.reserve(record.id, record.read()["created"])
-        env[_environ.DEVICE_TICKET] = ticket.spec()
     try:
+        write_private(record.call, cloudpickle.dumps(call))
+        if call.placement.takes_devices and not call.options.remote:
+            ticket = devices.reserve(record.id, record.read()["created"])
+            env[_environ.DEVICE_TICKET] = ticket.spec()
         process = _start_supervisor(record, call.options.detach, cwd, env, ticket)
+    except BaseException as exc:  # never started: say so in its record
+        record.end(exc)
+        raise
     finally:
         if ticket is not None:
             ticket.hand_over()
+    # reaped as soon as it ends, so that a reader elsewhere never sees its corpse as alive
+    threading.Thread(target=process.wait, name=f"gpufleet-reap-{record.id}", daemon=True).start()
     return Run(record, process)
 
 

@@ -322,6 +322,9 @@ def _check_env(env):
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
         raise ConfigError(f"env={env!r} must be a mapping of str to str (environment variables)")
+    bad = [k for k in env if not k or "=" in k or "\0" in k]
+    if bad:
+        raise ConfigError(f"env: {bad[0]!r} is not a valid environment variable name")
     return dict(env)
 
 
@@ -330,7 +333,7 @@ def _check_runs_dir(runs_dir):
         return None
     if not isinstance(runs_dir, (str, os.PathLike)):
         raise ConfigError(f"runs_dir={runs_dir!r} must be a path, or None for ~/.gpufleet/runs")
-    return Path(runs_dir).expanduser()
+    return Path(runs_dir).expanduser().absolute()  # a later chdir does not move the runs
 
 
 def _check_max_retries(max_retries):

@@ -12,6 +12,7 @@ import io
 import linecache
 import os
 import pickle
+import secrets
 import stat
 import sys
 import types
@@ -144,11 +145,15 @@ def dump_result(value: Any) -> bytes:
 
 def write_private(path: Path, data: bytes) -> None:
     """Write ``data`` atomically (temp file + rename), readable by the owner only."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:  # an interrupt half-way leaves no temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load_private(path: Path) -> Any:

@@ -156,6 +156,10 @@ class Pool:
             self._ranks.stop()
             self._ranks = None
 
+    def _holder(self) -> str | None:
+        """The name its devices are held under (``devices.holders``)."""
+        return self._ranks.folder.name if self._ranks is not None else None
+
     def _serves(self, placement: Placement) -> bool:
         """Same device and number of ranks (a call's gpu_type was checked already)."""
         return (self.placement.device, self.placement.nprocs) == (placement.device, placement.nprocs)
@@ -316,6 +320,26 @@ def for_call(options: RunOptions, placement: Placement) -> Pool | None:
         if key not in _shared:
             _shared[key] = Pool(placement.nprocs, runs_dir=options.runs_dir)
         return _shared[key]
+
+
+def give_up_devices(holders: list[str]) -> None:
+    """A call of this process waits for devices that its own pools hold, which nothing would
+    ever free: close the shared pools of ``warm=True`` functions among them (they start again
+    when next needed); a ``with gpufleet.pool()`` block's pool is an error naming it."""
+    for active in _active:
+        if active._holder() in holders:
+            raise ConfigError(
+                f"this call waits for GPUs that its own process's pool holds ({active}, "
+                f"{active.folder}): run it with the pool's gpus={active.placement.nprocs}, or "
+                "outside the `with gpufleet.pool(...)` block"
+            )
+    with _shared_lock:
+        for key, shared in list(_shared.items()):
+            if shared._holder() in holders:
+                print(f"gpufleet: closing the warm pool {shared.folder} to free its GPUs for "
+                      "this call", file=sys.stderr, flush=True)
+                shared.close()
+                del _shared[key]
 
 
 def _per_run(name: str) -> bool:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from gpufleet.errors import RunHangError, RunPreemptedError, RunTimeoutError
+from gpufleet.errors import RunCancelledError, RunHangError, RunPreemptedError, RunTimeoutError
 
 REFRESH_EVERY_S = 0.25
 SHOW_AFTER_S = 1.0
@@ -76,6 +76,8 @@ def ending(error: BaseException | None) -> str:
         return "finished"
     if isinstance(error, KeyboardInterrupt):
         return "interrupted"
+    if isinstance(error, RunCancelledError):
+        return "cancelled"
     if isinstance(error, RunPreemptedError):
         return "stopped (SIGTERM)"
     if isinstance(error, RunTimeoutError):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from gpufleet.errors import ConfigError, GpufleetError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir, ensure_private_dir, new_id, runs_root
+from gpufleet.rundir import CANCEL_REQUEST, RunDir, ensure_private_dir, new_id, runs_root
 
 if TYPE_CHECKING:
     from gpufleet.errors import RunCancelledError
@@ -29,6 +29,7 @@ SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
     "succeeded", "failed", "timeout", "cancelled", "preempted", "lost",
 )
 FINAL = (SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST)
+NAMING_SECONDS = 60.0  # for a submitted run's supervisor to start and name itself
 
 
 class Record:
@@ -133,9 +134,15 @@ class Record:
     def status(self) -> str:
         """The recorded status, or "lost" when the run never ended and its supervisor is gone."""
         data = self.read()
-        if data["status"] in FINAL or is_alive(data.get("supervisor")):
+        if data["status"] in FINAL or is_alive(data.get("supervisor"), data["created"]):
             return data["status"]
-        return LOST
+        data = self.read()  # it may have ended just before it exited
+        return data["status"] if data["status"] in FINAL else LOST
+
+    @property
+    def cancel_request(self) -> Path:
+        """Exists once someone asked to cancel the run (``Run.cancel()``)."""
+        return self.path / CANCEL_REQUEST
 
     def _write(self, data: dict) -> None:
         write_private(self.file, json.dumps(data, indent=1).encode())
@@ -165,7 +172,8 @@ def all_records(runs_dir: Path | None = None) -> list[Record]:
     if not root.is_dir():
         return []
     found = [Record(p) for p in root.iterdir() if (p / "record.json").is_file()]
-    return sorted(found, key=_created, reverse=True)
+    dated = [(when, r) for r in found if (when := _created(r)) is not None]  # deleted meanwhile
+    return [r for _, r in sorted(dated, key=lambda item: item[0], reverse=True)]
 
 
 def status_of(error: BaseException | None) -> str:
@@ -193,27 +201,33 @@ def _error_line(error: BaseException | None) -> str | None:
     return f"{type(error).__name__}: {error}"
 
 
-def _created(record: Record) -> float:
+def _created(record: Record) -> float | None:
     try:
         return record.read()["created"]
     except (OSError, ValueError, KeyError):
-        return 0.0
+        return None
 
 
-def is_alive(supervisor: dict | None) -> bool:
-    """Whether the process a record names as its supervisor still runs."""
+def is_alive(supervisor: dict | None, created: float | None = None) -> bool:
+    """Whether the process a record names as its supervisor still runs. A record that names
+    none yet is given NAMING_SECONDS from its creation for its supervisor to start."""
     if not supervisor:
-        return True  # not started yet: its starter names it in a moment
+        return created is None or time.time() - created < NAMING_SECONDS
     if supervisor.get("host") != socket.gethostname():
         return True  # another machine's process: trust the record
-    return _start_time(supervisor["pid"]) == supervisor["start"]
+    started = _start_time(supervisor["pid"])
+    return started is not None and started == supervisor["start"]
 
 
 def _start_time(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot): a pid reused by another process
-    has another start time. None when there is no such process."""
+    has another start time. None when there is no such process, or only its corpse (a zombie
+    nobody reaped)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])

@@ -14,6 +14,9 @@ from gpufleet import _environ
 from gpufleet.errors import ConfigError
 
 
+CANCEL_REQUEST = "cancel-requested"  # in a run's folder, beside its attempts
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -114,6 +117,14 @@ class RunDir:
         return self.path / "progress.json"
 
     @property
+    def cancel_request(self) -> Path | None:
+        """Exists once someone asked to cancel the run this attempt belongs to (``Run.cancel()``);
+        None for a folder that is no run's attempt (a warm pool's)."""
+        if not self.path.name.startswith("attempt-"):
+            return None
+        return self.path.parent / CANCEL_REQUEST
+
+    @property
     def stop_request(self) -> Path:
         """Exists once the caller was asked to stop (SIGTERM): ``runtime.should_stop()``."""
         return self.path / "stop-requested"
@@ -121,7 +132,7 @@ class RunDir:
 
 def runs_root(runs_dir: Path | None) -> Path:
     """Where runs go: ``runs_dir``, else ``$GPUFLEET_HOME/runs``."""
-    return runs_dir or _environ.gpufleet_home() / "runs"
+    return (runs_dir or _environ.gpufleet_home() / "runs").absolute()
 
 
 def new_id(name: str) -> str:

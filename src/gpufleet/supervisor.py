@@ -16,6 +16,7 @@ from gpufleet import _process, diagnosis, progress, timings
 from gpufleet.errors import (
     GpufleetError,
     RankFailure,
+    RunCancelledError,
     RunFailedError,
     RunHangError,
     RunPreemptedError,
@@ -166,6 +167,11 @@ class Supervisor:
                     outcome, error = "done", None
             elif outcome == "timeout":
                 error = self._timeout_error(self.monitor.collect_stacks())
+            elif outcome == "cancel":
+                error = RunCancelledError(
+                    [], run_dir=self.run.path, world_size=self.world_size,
+                    headline=f"run {self.run.path.parent.name} was cancelled: every rank was stopped",
+                )
             if outcome != "done":
                 self.stop()
         except KeyboardInterrupt:
@@ -204,12 +210,14 @@ class Supervisor:
 
     def _follow(self, deadline: float | None) -> str:
         """Follow the run until it ends ("done"), or until it must be stopped: "timeout",
-        "hang" or "grace" (the grace period after a SIGTERM is over)."""
+        "hang", "grace" (the grace period after a SIGTERM is over) or "cancel"."""
         hang_timeout = self.options.hang_timeout
         quick_until = time.monotonic() + QUICK_POLL_FOR_SECONDS
         while self.agent.poll() is None:
             if self.follower.poll():
                 self.monitor.progress()
+            if self.run.cancel_request is not None and self.run.cancel_request.exists():
+                return "cancel"
             if all(self.run.result(r).exists() for r in range(self.world_size)):
                 self.stamps["ranks_returned"] = time.time()
                 self.follower.poll()

@@ -375,10 +375,10 @@ def _reduced(values: list[float], how: str) -> list[float]:
 
 def status_of(error: BaseException | None) -> str:
     """The MLflow status a call's outcome gets."""
-    from gpufleet.errors import RunPreemptedError, RunTimeoutError
+    from gpufleet.errors import RunCancelledError, RunPreemptedError, RunTimeoutError
 
     if error is None:
         return "FINISHED"
-    if isinstance(error, (KeyboardInterrupt, RunPreemptedError, RunTimeoutError)):
+    if isinstance(error, (KeyboardInterrupt, RunCancelledError, RunPreemptedError, RunTimeoutError)):
         return "KILLED"
     return "FAILED"

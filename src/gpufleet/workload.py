@@ -4,6 +4,7 @@ before anything starts."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -11,7 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpufleet import _environ
 from gpufleet.errors import ConfigError
+from gpufleet.payload import write_private
+from gpufleet.rundir import ensure_private_dir
 
 # every field a workload file may have, and what it must be
 FIELDS = {
@@ -23,7 +27,7 @@ FIELDS = {
     "gpus": "a whole number of GPUs (one process each)",
     "gpu_type": "a GPU model name such as 'H100'",
     "env": "a mapping of environment variable names to string values",
-    "parameters": "the path of a YAML or JSON file of parameters",
+    "parameters": "the path of a YAML or JSON file of parameters (copied when submitted)",
     "max_retries": "a whole number ≥ 0",
     "timeout": "seconds for the whole run",
     "hang_timeout": "seconds without progress before the run counts as hung",
@@ -68,6 +72,8 @@ def load(path: str | os.PathLike) -> Workload:
     folder = path.parent
     entry = entries[0]
     target = data[entry]
+    if entry == "command" and isinstance(target, list):
+        target = [str(word) for word in target]
     if entry == "script":
         target = str(_existing(path, folder, "script", target))
     if entry == "command" and "args" in data:
@@ -77,8 +83,9 @@ def load(path: str | os.PathLike) -> Workload:
                                              "hang_timeout", "remote") if k in data}
     workload.options["env"] = dict(data.get("env", {}))
     if "parameters" in data:
-        workload.parameters_file = _existing(path, folder, "parameters", data["parameters"])
-        workload.parameters = _flat(_read_mapping(workload.parameters_file, "parameters file"))
+        given = _existing(path, folder, "parameters", data["parameters"])
+        workload.parameters = _flat(_read_mapping(given, "parameters file"))
+        workload.parameters_file = _snapshot(given)
     workload.experiment = data.get("experiment")
     return workload
 
@@ -87,10 +94,10 @@ def _check_type(path: Path, name: str, value: Any) -> None:
     ok = {
         "name": isinstance(value, str) and value.strip(),
         "script": isinstance(value, str) and value.strip(),
-        "module": isinstance(value, str) and value.strip(),
+        "module": isinstance(value, str) and value.strip() and not value.startswith("-"),
         "command": (isinstance(value, str) and value.strip()) or (
-            isinstance(value, list) and value and all(isinstance(v, (str, int, float)) for v in value)),
-        "args": isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value),
+            isinstance(value, list) and value and all(_word(v) for v in value)),
+        "args": isinstance(value, list) and all(_word(v) for v in value),
         "gpus": isinstance(value, int) and not isinstance(value, bool),
         "gpu_type": isinstance(value, str),
         "env": isinstance(value, Mapping) and all(
@@ -107,11 +114,28 @@ def _check_type(path: Path, name: str, value: Any) -> None:
         raise ConfigError(f"{path}: field {name!r} is {value!r}; it must be {FIELDS[name]}")
 
 
+def _word(value: Any) -> bool:
+    """A command-line word: a string or a number (written as given), never a bool."""
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+
+
 def _existing(path: Path, folder: Path, name: str, value: str) -> Path:
     found = (folder / Path(value).expanduser()).resolve()
     if not found.is_file():
         raise ConfigError(f"{path}: field {name!r}: no file {found}")
     return found
+
+
+def _snapshot(path: Path) -> Path:
+    """A private copy of the parameters as they are now, named by their content: a run that
+    waits in line reads the values MLflow logged, even if the file is edited meanwhile."""
+    data = path.read_bytes()
+    folder = _environ.gpufleet_home() / "parameters"
+    ensure_private_dir(folder)
+    copy = folder / f"{hashlib.sha256(data).hexdigest()[:20]}{path.suffix}"
+    if not copy.exists():
+        write_private(copy, data)
+    return copy
 
 
 def _read_mapping(path: Path, what: str) -> dict:
