@@ -591,6 +591,7 @@ def test_a_flight_recorder_dump_names_the_unfinished_collective_and_its_caller(r
 
         runtime.setup(timeout=60)
         dist.barrier()
+        time.sleep(0.5)  # the recorder marks the barrier completed from another thread
         if runtime.get_global_rank() == 1:
             time.sleep(2)  # rank 0's all_reduce waits meanwhile
         work = dist.all_reduce(torch.ones(1), async_op=True)  # FLIGHT-MARKER

@@ -133,6 +133,9 @@ def cmd_status(args) -> int:
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "-"
         print(f"{key + ':':<13} {value if value not in (None, '') else '-'}")
+    if summary.get("timings"):
+        print("timings of the last attempt:")
+        print("\n".join(f"  {label}: {seconds:.3f} s" for label, seconds in summary["timings"]["phases"].items()))
     return 0
 
 
@@ -180,6 +183,11 @@ def _summary(run: handles.Run) -> dict:
     data["duration"] = _duration(data)
     data["path"] = str(run.path)
     data.pop("supervisor", None)
+    attempt = run.path / data["attempts"][-1] if data["attempts"] else None
+    if attempt is not None and (attempt / "timings.json").is_file():
+        from gpufleet.timings import Timings
+
+        data["timings"] = {k: v for k, v in Timings.read(attempt).as_json().items() if k in ("phases", "total")}
     return data
 
 
