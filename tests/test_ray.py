@@ -131,6 +131,9 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
         total = torch.tensor([float(runtime.get_global_rank())])
         dist.all_reduce(total)
         print(f"hello from rank {runtime.get_global_rank()}")
+        from gpufleet import log_metrics
+
+        log_metrics({"sum": total.item()}, step=7)  # rank 0's, for the status line
         return {"sum": total.item(), **{k: os.environ.get(k) for k in keys}}
 
     fn = remote(report, runs_dir)
@@ -153,6 +156,8 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
     for rank in range(4):
         assert f"[rank {rank}] hello from rank {rank}" in captured.out
     assert "4 ranks on 2 nodes" in captured.err
+    progress = json.loads((fn.last_run / "progress.json").read_text())
+    assert (progress["step"], progress["metrics"]) == (7, {"sum": 6.0}), "rank 0's progress mirrored"
 
 
 @pytest.mark.slow

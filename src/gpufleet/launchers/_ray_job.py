@@ -208,7 +208,7 @@ class RayJob:
 
     def _mirror(self, r: RankActor, answer: dict) -> None:
         """Into the caller's run folder, in the order the rank wrote: output, stacks,
-        heartbeat, timings, result; the exit status last, once the rest is here."""
+        heartbeat, progress, timings, result; the exit status last, once the rest is here."""
         run, rank = self.run, r.rank
         _append(run.log(rank), answer.get("log"))
         _append(run.stacks(rank), answer.get("stacks"))
@@ -216,6 +216,8 @@ class RayJob:
             _touch(run.heartbeat(rank))
         if answer.get("started"):
             r.started = True
+        if answer.get("progress"):
+            write_private(run.progress, answer["progress"])
         if answer.get("timings"):
             write_private(run.timings(rank), answer["timings"])
         if answer.get("result") is not None:

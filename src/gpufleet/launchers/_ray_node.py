@@ -50,6 +50,7 @@ class RankNode:
         self._sent = {"log": 0, "stacks": 0}
         self._stacks_size = 0  # at the previous poll: stacks are sent once they stop growing
         self._beat = 0.0
+        self._progress = 0.0  # when rank 0's progress.json was last sent
         self._result_sent = False
         self._started_sent = False
 
@@ -119,6 +120,9 @@ class RankNode:
         beat = _mtime(run.heartbeat(rank))
         if beat > self._beat:
             self._beat, answer["beat"] = beat, True
+        noted = _mtime(run.progress)
+        if noted > self._progress:  # rank 0's last log_metrics, for the caller's status line
+            self._progress, answer["progress"] = noted, _read(run.progress)
         if drained and result is not None:
             answer["timings"] = _read(run.timings(rank))
             answer["result"], self._result_sent = result, True
