@@ -36,3 +36,22 @@ def test_mlp_ddp_trains_and_the_loss_falls(run_script):
     assert not [line for line in rank_lines(result.stdout, 1) if "loss" in line.lower()], \
         "only rank 0 prints the per-epoch loss"
     assert_all_gone(result.tree, what="processes of the example")
+
+
+def test_the_cli_workload_example_trains_a_torchrun_style_script(tmp_path):
+    """examples/cli: `gpufleet submit --follow examples/cli/workload.yaml`."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPUFLEET_HOME": str(tmp_path / "home")}
+    done = subprocess.run([sys.executable, "-m", "gpufleet", "submit", "--follow",
+                           str(EXAMPLES / "cli" / "workload.yaml")],
+                          capture_output=True, text=True, timeout=110, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = [last_number(line) for line in rank_lines(done.stdout, 0) if "loss" in line]
+    assert len(losses) == 5 and losses[-1] < losses[0], done.stdout
+    listed = json.loads(subprocess.run([sys.executable, "-m", "gpufleet", "runs", "--json"],
+                                       capture_output=True, text=True, env=env).stdout)
+    assert [(r["name"], r["status"], r["kind"]) for r in listed] == [("cli-ddp", "succeeded", "script")]
