@@ -130,7 +130,8 @@ class _Execution:
         self.on_attempt(run.path)
         write_private(run.payload, self.call.payload)
         launcher = launchers.get(self.opts.remote or "local")
-        env = {_environ.TRACKED: "1"} if self.tracking.enabled else {}
+        # said either way: a call made inside a tracked rank inherits that rank's "1"
+        env = {_environ.TRACKED: "1" if self.tracking.enabled else "0"}
         stamps = {"call": called_at, "attempt_started": time.time()}
         placement = self.call.placement
         if self.opts.remote:  # the ranks run on a cluster; the job stands for the agent
