@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILED if getattr(args, "finds_run", False) else EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `gpufleet runs | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def cmd_run(args) -> int:
@@ -215,7 +218,7 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 def _parser() -> argparse.ArgumentParser:
     runs_dir_help = "the runs folder (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)"
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--runs-dir", type=Path, help=runs_dir_help)
+    common.add_argument("--runs-dir", type=Path, metavar="DIR", help=runs_dir_help)
     parser = argparse.ArgumentParser(
         prog="gpufleet",
         description="Run scripts and workload files on this machine's GPUs (or a Ray cluster); "
@@ -224,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
         "130 interrupted or cancelled, 143 preempted",
     )
     # before the command too; its own dest, as a subcommand's default would overwrite it
-    parser.add_argument("--runs-dir", type=Path, dest="global_runs_dir", help=runs_dir_help)
+    parser.add_argument("--runs-dir", type=Path, dest="global_runs_dir", metavar="DIR", help=runs_dir_help)
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", parents=[common], help="run a script on N GPUs, as torchrun would",
