@@ -634,3 +634,30 @@ def test_a_cold_call_inside_a_pool_that_holds_every_gpu_is_an_error(runs_dir, mo
             one.distributed()
         assert str(warm.folder) in str(caught.value)
     assert one.distributed() == [1], "once the pool is closed its GPUs are free"
+
+
+def test_a_run_cancelled_before_it_starts_never_starts(runs_dir, monkeypatch):
+    monkeypatch.setenv("GPUFLEET_VIRTUAL_GPUS", "1")
+
+    @distributed(gpus=1, runs_dir=runs_dir, timeout=60)
+    def hold(seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+    first = hold.submit(30)
+    queued = hold.submit(1)
+    while first.status() != "running":
+        assert not first.done(), first.logs()
+        time.sleep(0.1)
+    assert queued.status() == "queued"
+    assert queued.cancel() == "cancelled"
+    record = queued.record()
+    assert record["started"] is None and record["devices"] == [], record
+    assert not list(queued.path.glob("attempt-*/logs/rank-*.log")), "no rank of it ever ran"
+    assert first.cancel() == "cancelled"
+    late = hold.submit(1)
+    assert late.cancel() == "cancelled"
+    with pytest.raises(gpufleet.RunCancelledError):
+        late.result()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from gpufleet import _environ, _process, calls, devices
+from gpufleet.errors import RunCancelledError
 from gpufleet.payload import load_private
 from gpufleet.records import Record
 
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
         raise
     try:
         calls.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RunCancelledError):
         print(f"gpufleet: run {record.id} cancelled", flush=True)
         return 130
     except BaseException as exc:  # kept in the record (outcome.pkl) for Run.result()

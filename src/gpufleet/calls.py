@@ -98,6 +98,8 @@ class _Execution:
             raise
         finally:
             try:
+                if self.ticket is not None:  # a place in line it never needed (a pool, Ray)
+                    self.ticket.drop()
                 self._release_devices()  # first: nothing below may keep the GPUs held
             finally:
                 if self.tracking.run_id:
@@ -126,6 +128,8 @@ class _Execution:
 
     def _run(self, attempt: int, called_at: float) -> list:
         """One attempt: a run folder of its own, an agent, its ranks."""
+        if self.record.cancel_request.exists():  # before it starts, or between attempts
+            raise self.record.cancelled()
         run = self.record.new_attempt()
         self.on_attempt(run.path)
         write_private(run.payload, self.call.payload)
@@ -155,10 +159,11 @@ class _Execution:
         if self.lease is None:
             # a run started inside a rank uses the rank's own devices, which its run holds
             if self.call.placement.takes_devices and _environ.run_dir() is None:
+                ticket, self.ticket = self.ticket, None  # acquire drops it when done
                 self.lease = devices.acquire(
                     self.call.placement.nprocs, self.record.id, self._queued,
                     stopped=self._stop_waiting, since=self.record.read()["created"],
-                    ticket=self.ticket,
+                    ticket=ticket,
                 )
                 if self.lease is None:
                     raise self._stopped_while_queued(run)

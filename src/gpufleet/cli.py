@@ -145,7 +145,12 @@ def cmd_status(args) -> int:
 def cmd_cancel(args) -> int:
     run = handles.attach(args.run, args.runs_dir)
     before = run.status()
-    status = run.cancel()
+    try:
+        status = run.cancel()
+    except TimeoutError:
+        print(f"gpufleet: {run.id} did not stop in time; it is still {run.status()} "
+              f"(its supervisor: {run.record().get('supervisor')})", file=sys.stderr)
+        return EXIT_FAILED
     print(f"{run.id}: {status}" + ("" if before not in records.FINAL else " (had already ended)"))
     return 0
 

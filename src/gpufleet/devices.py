@@ -75,6 +75,8 @@ def acquire(
     try:
         waiting = False
         while True:
+            if stopped():  # before taking any: a run cancelled before it started never starts
+                return None
             with _locked(root / "lock"):
                 if ticket.first():
                     lease = _take(root, names, count, owner)
@@ -83,8 +85,6 @@ def acquire(
             if not waiting and on_wait is not None:
                 on_wait(holders(root, names))
             waiting = True
-            if stopped():
-                return None
             time.sleep(POLL_SECONDS)
     finally:
         ticket.drop()

@@ -173,7 +173,8 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
     ticket = None
     try:
         write_private(record.call, cloudpickle.dumps(call))
-        if call.placement.takes_devices and not call.options.remote:
+        # as calls._hold_devices: a run started inside a rank holds no devices of its own
+        if call.placement.takes_devices and not call.options.remote and _environ.run_dir() is None:
             ticket = devices.reserve(record.id, record.read()["created"])
             env[_environ.DEVICE_TICKET] = ticket.spec()
         process = _start_supervisor(record, call.options.detach, cwd, env, ticket)
@@ -195,7 +196,8 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
     the thread that starts it: the launcher's long-lived starter thread)."""
     from gpufleet.launchers.local import _starter
 
-    env = {**_environ.snapshot(), **extra}
+    # the same home (device locks, line) whatever folder the supervisor runs in
+    env = {**_environ.snapshot(), "GPUFLEET_HOME": str(_environ.gpufleet_home()), **extra}
     env.pop(_environ.PARENT_PID, None)
     if not detached:
         env[_environ.PARENT_PID] = str(os.getpid())
