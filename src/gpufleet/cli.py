@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpufleet import _environ, _script, calls, handles, records
+from gpufleet import _environ, _script, calls, handles, progress, records
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
 from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
 
@@ -202,8 +202,7 @@ def _summary(run: handles.Run) -> dict:
 def _duration(data: dict) -> str:
     if not data.get("started"):
         return "-"
-    seconds = int((data.get("ended") or time.time()) - data["started"])
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    return progress.clock((data.get("ended") or time.time()) - data["started"])
 
 
 def _when(stamp: float | None) -> str:

@@ -62,7 +62,7 @@ def status_line(status: Status) -> str:
         parts.append(f"{status.world_size} ranks")
     else:
         parts.append(f"{status.alive}/{status.world_size} ranks alive")
-    parts.append(_clock(status.elapsed))
+    parts.append(clock(status.elapsed))
     if status.step is not None:
         parts.append(f"step {status.step}")
     if status.metrics:
@@ -87,7 +87,7 @@ def ending(error: BaseException | None) -> str:
     return "failed"
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
