@@ -9,9 +9,12 @@ with the script or notebook that submitted it.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from gpufleet import _environ, _process, calls, devices
@@ -19,16 +22,20 @@ from gpufleet.errors import RunCancelledError
 from gpufleet.payload import load_private
 from gpufleet.records import Record
 
+PARENT_POLL_SECONDS = 0.5
+
 
 def main(argv: list[str]) -> int:
     # a submitter started in the background (`cmd &`) ignores SIGINT, and so would this
     # process: Ctrl-C, the death signal and cancel's last resort all rely on it
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # nor block it
     record = Record(Path(argv[1]))
     record.supervised_here()
     parent = _environ.parent_pid()
     if parent is not None:
         _process.die_with_parent(signal.SIGINT, parent)
+        threading.Thread(target=_watch_parent, args=(parent,), name="gpufleet-parent", daemon=True).start()
     ticket = _environ.device_ticket()
     os.environ.pop(_environ.DEVICE_TICKET, None)  # the ranks have no use for it
     try:
@@ -48,6 +55,14 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"gpufleet: run {record.id} succeeded", flush=True)
     return 0
+
+
+def _watch_parent(parent: int) -> None:
+    """The death signal's backup: once the submitter is gone, interrupt the main thread as
+    Ctrl-C would, even if the signal was lost (a mask inherited from the submitting thread)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_SECONDS)
+    _thread.interrupt_main(signal.SIGINT)
 
 
 if __name__ == "__main__":
