@@ -15,7 +15,7 @@ from rich.console import Console
 
 from gpufleet import distributed, log_metrics, runtime
 from gpufleet.logs import LogFollower
-from gpufleet.progress import PlainDisplay, Status, TerminalDisplay, status_line
+from gpufleet.progress import Status, TerminalDisplay, status_line
 from support import rank_lines, run_folders
 from test_notebook import Kernel, idle, kernel_env  # noqa: F401 - kernel_env is a fixture
 
