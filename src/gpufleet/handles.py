@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from gpufleet import _environ, records
+from gpufleet import _environ, devices, records
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.logs import LogFollower
-from gpufleet.payload import write_private
+from gpufleet.launchers.local import _starter
+from gpufleet.payload import load_private, write_private
 from gpufleet.records import Record
+from gpufleet.supervisor import collect
 
 POLL_SECONDS = 0.1
 CANCEL_ANSWER_SECONDS = 30.0  # for the supervisor to see the request and stop the ranks
@@ -76,12 +78,8 @@ class Run:
         (RunFailedError and its kinds: RunCancelledError, RunTimeoutError, ...)."""
         status = self.wait(timeout)
         if status == records.SUCCEEDED:
-            from gpufleet.supervisor import collect
-
             return collect(self._record.last_attempt(), self.record()["gpus"])
         if self._record.outcome.exists():
-            from gpufleet.payload import load_private
-
             raise load_private(self._record.outcome)
         raise GpufleetError(
             f"run {self.id} is {status} and left no error: its supervising process "
@@ -166,8 +164,6 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
     place in line for devices is taken now, so runs submitted in a row start in that order."""
     import cloudpickle
 
-    from gpufleet import devices
-
     record = call.record(detached=call.options.detach, background=True, **fields)
     env = dict(env or {})
     ticket = None
@@ -194,8 +190,6 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
     """``python -m gpufleet._submitted RECORD`` in its own session, its output in the run's
     supervisor.log. Without ``detach`` it dies with this process (the death signal follows
     the thread that starts it: the launcher's long-lived starter thread)."""
-    from gpufleet.launchers.local import _starter
-
     # the same home (device locks, line) whatever folder the supervisor runs in
     env = {**_environ.snapshot(), "GPUFLEET_HOME": str(_environ.gpufleet_home()), **extra}
     env.pop(_environ.PARENT_PID, None)

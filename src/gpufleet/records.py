@@ -15,14 +15,17 @@ import pickle
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from gpufleet.errors import ConfigError, GpufleetError, RunFailedError, RunPreemptedError, RunTimeoutError
+from gpufleet.errors import (
+    ConfigError,
+    GpufleetError,
+    RunCancelledError,
+    RunFailedError,
+    RunPreemptedError,
+    RunTimeoutError,
+)
 from gpufleet.payload import write_private
 from gpufleet.rundir import CANCEL_REQUEST, RunDir, ensure_private_dir, new_id, runs_root
-
-if TYPE_CHECKING:
-    from gpufleet.errors import RunCancelledError
 
 QUEUED, RUNNING = "queued", "running"
 SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
@@ -121,9 +124,7 @@ class Record:
                 f"{_error_line(error)} (the error itself could not be kept: {type(exc).__name__}: {exc})"
             )))
 
-    def cancelled(self) -> "RunCancelledError":
-        from gpufleet.errors import RunCancelledError
-
+    def cancelled(self) -> RunCancelledError:
         data = self.read()
         last = data["attempts"][-1] if data["attempts"] else ""
         return RunCancelledError(
@@ -178,8 +179,6 @@ def all_records(runs_dir: Path | None = None) -> list[Record]:
 
 def status_of(error: BaseException | None) -> str:
     """The final status an outcome gives a run."""
-    from gpufleet.errors import RunCancelledError
-
     if error is None:
         return SUCCEEDED
     if isinstance(error, (KeyboardInterrupt, RunCancelledError)):
