@@ -102,11 +102,13 @@ class _Execution:
                     self.ticket.drop()
                 self._release_devices()  # first: nothing below may keep the GPUs held
             finally:
-                if self.tracking.run_id:
-                    self.record.update(mlflow_run_id=self.tracking.run_id)
-                self.record.end(outcome)
-                if self.tracking.enabled:
-                    self.tracking.close(tracking_status(outcome))
+                try:  # MLflow's status first: a record that says ended means everything ended
+                    if self.tracking.enabled:
+                        self.tracking.close(tracking_status(outcome))
+                finally:
+                    if self.tracking.run_id:
+                        self.record.update(mlflow_run_id=self.tracking.run_id)
+                    self.record.end(outcome)
 
     def _attempts(self) -> list:
         earlier: list[RunFailedError] = []
