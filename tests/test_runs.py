@@ -661,3 +661,41 @@ def test_a_run_cancelled_before_it_starts_never_starts(runs_dir, monkeypatch):
     assert late.cancel() == "cancelled"
     with pytest.raises(gpufleet.RunCancelledError):
         late.result()
+
+
+def test_a_queued_warm_call_is_cancelled_while_it_waits_for_gpus(runs_dir, monkeypatch):
+    monkeypatch.setenv("GPUFLEET_VIRTUAL_GPUS", "1")
+    errors = []
+
+    @distributed(gpus=1, runs_dir=runs_dir, timeout=60)
+    def hold():
+        import time
+
+        time.sleep(60)
+
+    @distributed(gpus=1, runs_dir=runs_dir, timeout=60, warm=True)
+    def quick():
+        return 1
+
+    def call():
+        try:
+            quick.distributed()
+        except BaseException as exc:
+            errors.append(exc)
+
+    holder = hold.submit()
+    while holder.status() != "running":
+        assert not holder.done(), holder.logs()
+        time.sleep(0.1)
+    thread = threading.Thread(target=call)
+    thread.start()
+    waiting = wait_until(
+        lambda: [r for r in gpufleet.runs(runs_dir=runs_dir) if r.name == "quick"], 30, "quick's record")
+    (run,) = waiting
+    time.sleep(1)  # it waits in line for the GPU the holder has
+    assert run.status() == "queued", run.record()
+    assert run.cancel() == "cancelled", "a cancel reaches a warm call waiting for its pool's GPUs"
+    thread.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], gpufleet.RunCancelledError), errors
+    assert holder.status() == "running", "the holder is left alone"
+    assert holder.cancel() == "cancelled"

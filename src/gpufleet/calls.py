@@ -146,8 +146,10 @@ class _Execution:
             return self._supervise(run, job, stamps, attempt, monitor=job.monitor)
         plan = launcher.plan(run, placement, self.opts, attempt, env)
         warm = pools.for_call(self.opts, placement)
-        with warm._lease(plan.env) if warm else contextlib.nullcontext() as ranks:
-            if ranks is None:  # no pool, or it closed meanwhile: start cold
+        with warm._lease(plan.env, self._stop_waiting) if warm else contextlib.nullcontext() as ranks:
+            # no pool, it closed meanwhile, or the call was stopped while the pool waited for
+            # devices (then the cold path's own wait says so at once)
+            if ranks is None:
                 self._hold_devices(run)
                 plan = launcher.plan(run, placement, self.opts, attempt, {**env, **self.lease.env()})
                 return self._supervise(run, launcher.launch(plan, run), stamps, attempt)

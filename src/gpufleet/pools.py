@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from gpufleet import _environ, _process, devices, hardware
@@ -92,15 +93,24 @@ class Pool:
 
     def start(self) -> "Pool":
         """Start the ranks (CUDA, process group) unless they run; blocks until ready."""
+        self._start()
+        return self
+
+    def _start(self, stopped: Callable[[], bool] = lambda: False) -> bool:
+        """``start``; False, with no ranks, when ``stopped()`` while waiting for free devices
+        (the call that needed them was cancelled or preempted in the meantime)."""
         with self._lock:
             if self.alive:
-                return self
+                return True
             self._discard()
             placement = hardware.place(self._options.gpus, self._options.gpu_type)
-            self._ranks = _Ranks.start(placement, self._options, self._keep_memory)
+            ranks = _Ranks.start(placement, self._options, self._keep_memory, stopped)
+            if ranks is None:
+                return False
+            self._ranks = ranks
             self.placement = placement
             self.starts += 1
-            return self
+            return True
 
     def close(self) -> None:
         """Stop the ranks: they exit when their pipes close; whatever is left is killed. A
@@ -114,10 +124,11 @@ class Pool:
         return f"<gpufleet.Pool {state}>"
 
     @contextlib.contextmanager
-    def _lease(self, env: dict[str, str]):
+    def _lease(self, env: dict[str, str], stopped: Callable[[], bool]):
         """The ranks, ready for one call with the environment ``env`` (the call's launch
-        plan's); started (again) first when needed, or None once the pool is closed. A call
-        that does not end well stops them."""
+        plan's); started (again) first when needed. None once the pool is closed, or when
+        ``stopped()`` while its start waited for devices. A call that does not end well
+        stops them."""
         with self._lock:
             if self._closed:
                 yield None
@@ -126,7 +137,9 @@ class Pool:
             if why:
                 print(f"gpufleet: {why}; starting the pool's ranks again", file=sys.stderr, flush=True)
                 self._discard()
-            self.start()
+            if not self._start(stopped):
+                yield None
+                return
             ranks = self._ranks
             try:
                 yield ranks
@@ -179,7 +192,9 @@ class _Ranks:
         self.calls = 0  # handed over so far
 
     @classmethod
-    def start(cls, placement: Placement, options: RunOptions, keep_memory: bool) -> "_Ranks":
+    def start(cls, placement: Placement, options: RunOptions, keep_memory: bool,
+              stopped: Callable[[], bool]) -> "_Ranks | None":
+        """The ranks, ready; None when ``stopped()`` while waiting for free devices."""
         called_at = time.time()
         folder = RunDir.create(options.runs_dir, "pool")
         for sub in ("orders", "ready"):
@@ -191,7 +206,10 @@ class _Ranks:
             if placement.takes_devices:
                 lease = devices.acquire(placement.nprocs, folder.name, lambda holders: print(
                     f"gpufleet: the pool waits for {placement.nprocs} free GPUs (held by "
-                    f"{', '.join(sorted(set(holders)))})", file=sys.stderr, flush=True))
+                    f"{', '.join(sorted(set(holders)))})", file=sys.stderr, flush=True), stopped)
+                if lease is None:
+                    cls(folder, None, pipes, {}, devices.Lease()).stop()
+                    return None
             for rank in range(placement.nprocs):
                 os.mkfifo(folder.orders(rank), 0o600)
                 # read-write: opening never blocks, and the ranks see end-of-file only when
