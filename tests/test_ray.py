@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import _thread
 import importlib
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -158,6 +160,32 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
     assert "4 ranks on 2 nodes" in captured.err
     progress = json.loads((fn.last_run / "progress.json").read_text())
     assert (progress["step"], progress["metrics"]) == (7, {"sum": 6.0}), "rank 0's progress mirrored"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.slow
+def test_the_status_line_counts_the_ranks_alive_on_their_nodes(cluster, runs_dir, monkeypatch):
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    for name in ("TTY_COMPATIBLE", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setenv("COLUMNS", "160")
+
+    def steady():
+        from gpufleet import log_metrics
+
+        runtime.setup(timeout=30)
+        log_metrics({"loss": 0.5}, step=3)
+        time.sleep(4)
+
+    remote(steady, runs_dir).distributed()
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    assert re.search(r" · 4/4 ranks alive · \d:\d\d:\d\d · step 3 · loss 0.5", shown), shown
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpufleet import diagnosis
+from gpufleet import _process, diagnosis
 from gpufleet.rundir import RunDir, read_pid
 
 SAMPLE_EVERY_S = 0.5
@@ -95,6 +95,10 @@ class RunMonitor:
 
     def pids(self) -> dict[int, int]:
         return {r: s.pid for r, s in self.ranks.items() if s.pid is not None}
+
+    def alive(self) -> int:
+        """How many ranks run now (for the status line)."""
+        return sum(_process.alive(pid) for pid in self.pids().values())
 
     # -- out of memory ----------------------------------------------------------------------
 

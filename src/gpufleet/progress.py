@@ -43,7 +43,7 @@ class Status:
     name: str  # the run folder's name
     world_size: int
     elapsed: float  # seconds since the call (this attempt) began
-    alive: int | None = None  # ranks running now; None: not known here (remote ranks)
+    alive: int | None = None  # ranks running now; None: not known
     step: int | None = None  # rank 0's last log_metrics(step=)
     metrics: dict = field(default_factory=dict)  # and its values
     attempt: int = 0  # 0: the first run of the call

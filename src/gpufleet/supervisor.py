@@ -137,15 +137,9 @@ class Supervisor:
         return progress.Status(
             name=self.run.name, world_size=self.world_size,
             elapsed=time.time() - self.began,
-            alive=None if outcome else self._ranks_alive(), step=step, metrics=metrics,
+            alive=None if outcome else self.monitor.alive(), step=step, metrics=metrics,
             attempt=self.attempt, outcome=outcome,
         )
-
-    def _ranks_alive(self) -> int | None:
-        """How many ranks run now; None when their pids are another machine's."""
-        if getattr(self.agent, "remote", False):
-            return None
-        return sum(_process.alive(pid) for pid in self.monitor.pids().values())
 
     def _save_timings(self) -> None:
         try:

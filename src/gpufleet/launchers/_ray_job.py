@@ -317,6 +317,10 @@ class RayJob:
 
     # -- for the monitor --------------------------------------------------------------------
 
+    def ranks_alive(self) -> int:
+        """Ranks that run their function now: started, neither exited nor lost."""
+        return sum(r.started and not r.final for r in self.ranks)
+
     def all_started(self) -> bool:
         return bool(self.ranks) and all(r.started or r.final for r in self.ranks)
 
@@ -355,6 +359,9 @@ class RemoteMonitor(RunMonitor):
 
     def pids(self) -> dict[int, int]:
         return {}
+
+    def alive(self) -> int:
+        return self.job.ranks_alive()
 
     def oom_kill_evidence(self, rank: int) -> str | None:
         return None
