@@ -345,7 +345,7 @@ def test_help_for_every_command(tmp_path):
     env = cli_env(tmp_path)
     top = gpufleet("--help", cwd=tmp_path, env=env, timeout=60)
     assert top.returncode == 0, explain(top)
-    for command in ("run", "submit", "runs", "logs", "status", "cancel"):
+    for command in ("run", "submit", "runs", "logs", "status", "cancel", "prune"):
         assert command in top.stdout, explain(top)
     expected = {
         "run": ("--gpus", "--remote", "--max-retries", "--timeout", "--detach", "--json"),
@@ -354,6 +354,7 @@ def test_help_for_every_command(tmp_path):
         "logs": ("--rank", "--follow"),
         "status": ("--json",),
         "cancel": (),
+        "prune": ("--older-than", "--keep", "--dry-run"),
     }
     for command, options in expected.items():
         proc = gpufleet(command, "--help", cwd=tmp_path, env=env, timeout=60)
@@ -554,3 +555,80 @@ def test_detached_run_is_followed_then_cancelled(tmp_path, followers):
     listed = json_out(gpufleet("--runs-dir", runs_dir, "runs", "--json", cwd=tmp_path,
                                env=env))
     assert [(r["id"], r["status"]) for r in listed] == [(run_id, "cancelled")]
+
+
+WARM = """
+import sys
+
+import gpufleet
+
+@gpufleet.distributed(gpus=1, runs_dir=sys.argv[1])
+def one():
+    return 1
+
+with gpufleet.pool(gpus=1, runs_dir=sys.argv[1]):
+    assert one.distributed() == [1]
+"""
+
+
+def test_prune_deletes_ended_runs_and_gone_pools_never_a_running_run(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    write(tmp_path / "quick.py", "print('quick', flush=True)\n")
+    write(tmp_path / "sleeper.py", SLEEPER)
+    write(tmp_path / "warm.py", WARM)
+    env = cli_env(tmp_path)
+    runs_dir = tmp_path / "runs"
+
+    def cli(*args, **kw):
+        return gpufleet("--runs-dir", runs_dir, *args, cwd=tmp_path, env=env, **kw)
+
+    warm = subprocess.run([PYTHON, "warm.py", str(runs_dir)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=RUN_BOUND_S)
+    assert warm.returncode == 0, explain(warm)
+    pools = sorted(p.name for p in runs_dir.glob("pool-*"))
+    assert len(pools) == 1, sorted(p.name for p in runs_dir.iterdir())
+    for name in ("old", "new"):
+        done = cli("run", "--gpus", "1", "--name", name, "quick.py")
+        assert done.returncode == 0, explain(done)
+    ids = {r["name"]: r["id"] for r in json_out(cli("runs", "--json"))}
+    assert sorted(ids) == ["new", "old", "one"], ids
+    started = cli("run", "--detach", "--json", "--gpus", "1", "--name", "sleeper", "sleeper.py", pid_dir)
+    running = json_out(started)["id"]
+    try:
+        deadline = time.monotonic() + START_BOUND_S
+        while not list(pid_dir.glob("rank-*")):
+            assert time.monotonic() < deadline, "the sleeper's rank did not start"
+            time.sleep(0.1)
+        ranks = rank_processes(pid_dir)
+
+        oldest = cli("prune", "--keep", "2")  # the pool's call, then old and new ended
+        assert oldest.returncode == 0 and oldest.stdout.split() == [ids["one"]], explain(oldest)
+        newest = cli("prune", "--keep", "1")
+        assert newest.returncode == 0 and newest.stdout.split() == [ids["old"]], explain(newest)
+        assert not (runs_dir / ids["old"]).exists() and (runs_dir / ids["new"]).is_dir()
+        assert (runs_dir / pools[0]).is_dir(), "--keep alone leaves pools"
+
+        dry = cli("prune", "--older-than", "0s", "--dry-run")
+        assert dry.returncode == 0 and sorted(dry.stdout.split()) == sorted([ids["new"], *pools]), explain(dry)
+        assert "would free" in dry.stderr, explain(dry)
+        assert (runs_dir / ids["new"]).is_dir() and (runs_dir / pools[0]).is_dir(), "a dry run deletes nothing"
+        young = cli("prune", "--older-than", "1h")
+        assert young.returncode == 0 and young.stdout.split() == [], explain(young)
+
+        pruned = cli("prune", "--older-than", "0s")
+        assert sorted(pruned.stdout.split()) == sorted([ids["new"], *pools]), explain(pruned)
+        assert [r["id"] for r in json_out(cli("runs", "--json"))] == [running]
+        assert cli("status", running, "--json").returncode == 0, "the running run is left alone"
+        assert all(p.is_running() for p in ranks), "and so are its ranks"
+    finally:
+        cli("cancel", running, timeout=60)
+    assert_all_gone(ranks, what="the sleeper's ranks after cancel")
+    last = cli("prune", "--older-than", "0s")
+    assert last.stdout.split() == [running], explain(last)
+    assert list(runs_dir.iterdir()) == []
+
+    bad = cli("prune", "--older-than", "7x")
+    assert bad.returncode == 2 and "'7x'" in bad.stderr and "7d" in bad.stderr, explain(bad)
+    neither = cli("prune")
+    assert neither.returncode == 2 and "--older-than" in neither.stderr, explain(neither)

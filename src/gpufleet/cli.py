@@ -1,4 +1,4 @@
-"""The ``gpufleet`` command: run scripts and workload files, list, follow and cancel runs.
+"""The ``gpufleet`` command: run scripts and workload files, list, follow, cancel and prune runs.
 
 Exit status: 0 success; 1 the run failed (or no such run); 2 bad usage or input, before
 anything starts; 124 the run timed out; 130 interrupted or cancelled; 143 preempted (SIGTERM).
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -155,6 +156,40 @@ def cmd_cancel(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    if args.older_than is None and args.keep is None:
+        raise ConfigError("say which ended runs to delete: --older-than AGE (e.g. 7d), --keep N, or both")
+    if args.keep is not None and args.keep < 0:
+        raise ConfigError(f"--keep {args.keep}: give a number of runs, 0 or more")
+    chosen = records.prunable(args.runs_dir, args.older_than, args.keep)
+    size = sum(_size(path) for path in chosen)
+    for path in chosen:
+        if not args.dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+        print(path.name)
+    verb = "would free" if args.dry_run else "freed"
+    print(f"gpufleet: {len(chosen)} folder{'' if len(chosen) == 1 else 's'}, {verb} "
+          f"{size / 2**20:.1f} MiB", file=sys.stderr)
+    return 0
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _age(text: str) -> float:
+    """``90s``, ``30m``, ``12h``, ``7d`` (or seconds) as seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    try:
+        seconds = float(number) * units[unit]
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give a number and a unit, e.g. 90s, 30m, 12h, 7d")
+    return seconds
+
+
 def _foreground(call: calls.Call, record: records.Record) -> int:
     try:
         calls.execute(call, record)
@@ -226,7 +261,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpufleet",
         description="Run scripts and workload files on this machine's GPUs (or a Ray cluster); "
-        "list, follow and cancel runs.",
+        "list, follow, cancel and prune runs.",
         epilog="exit status: 0 success, 1 run failed or not found, 2 bad usage, 124 timeout, "
         "130 interrupted or cancelled, 143 preempted",
     )
@@ -263,6 +298,16 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print the records as JSON")
     listing.add_argument("--limit", type=int, default=50, help="how many runs (default 50)")
     listing.set_defaults(command=cmd_runs)
+
+    prune = sub.add_parser(
+        "prune", parents=[common], help="delete the folders of ended runs",
+        description="Delete the folders of runs that have ended (never a queued or running one) "
+        "and of warm pools whose ranks are gone; print what was deleted. With both limits, a run "
+        "goes when it is older than AGE and not among the N newest.")
+    prune.add_argument("--older-than", type=_age, metavar="AGE", help="runs that ended more than AGE ago: 90s, 30m, 12h, 7d")
+    prune.add_argument("--keep", type=int, metavar="N", help="keep the N newest ended runs")
+    prune.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    prune.set_defaults(command=cmd_prune)
 
     for name, fn, what in (("logs", cmd_logs, "print a run's logs"), ("status", cmd_status, "show a run's record"),
                            ("cancel", cmd_cancel, "stop a run (every rank)")):

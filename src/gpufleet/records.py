@@ -25,7 +25,7 @@ from gpufleet.errors import (
     RunTimeoutError,
 )
 from gpufleet.payload import write_private
-from gpufleet.rundir import CANCEL_REQUEST, RunDir, ensure_private_dir, new_id, runs_root
+from gpufleet.rundir import CANCEL_REQUEST, RunDir, ensure_private_dir, new_id, read_pid, runs_root
 
 QUEUED, RUNNING = "queued", "running"
 SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
@@ -175,6 +175,35 @@ def all_records(runs_dir: Path | None = None) -> list[Record]:
     found = [Record(p) for p in root.iterdir() if (p / "record.json").is_file()]
     dated = [(when, r) for r in found if (when := _created(r)) is not None]  # deleted meanwhile
     return [r for _, r in sorted(dated, key=lambda item: item[0], reverse=True)]
+
+
+def prunable(runs_dir: Path | None, older_than: float | None, keep: int | None) -> list[Path]:
+    """The folders ``gpufleet prune`` deletes: runs that ended more than ``older_than``
+    seconds ago and are not among the ``keep`` newest ended runs (either limit may be None),
+    and, with ``older_than``, the folders of warm pools whose ranks are all gone and that
+    have not changed for that long. A queued or running run is never one of them."""
+    now = time.time()
+    ended = []
+    for record in all_records(runs_dir):
+        try:
+            if record.status() in FINAL:
+                ended.append((record.read().get("ended") or record.file.stat().st_mtime, record.path))
+        except (OSError, ValueError, KeyError):  # deleted meanwhile, or not a record of ours
+            continue
+    ended.sort(reverse=True)
+    chosen = [path for when, path in ended[keep or 0:] if older_than is None or now - when > older_than]
+    if older_than is not None:
+        root = runs_root(runs_dir)
+        pools = root.glob("pool-*") if root.is_dir() else []
+        chosen += sorted(p for p in pools if now - p.stat().st_mtime > older_than and _pool_gone(p))
+    return chosen
+
+
+def _pool_gone(folder: Path) -> bool:
+    """A warm pool's folder whose ranks have all exited (a pool that starts again gets a new
+    folder); a pid now another process's keeps the folder, erring on the safe side."""
+    pids = [read_pid(p) for p in (folder / "pids").glob("rank-*.pid")]
+    return not any(pid is not None and _start_time(pid) is not None for pid in pids)
 
 
 def status_of(error: BaseException | None) -> str:
