@@ -1,5 +1,6 @@
 """Runs on real GPUs: the command line, concurrent submitted runs on disjoint GPUs, queueing,
-cancel and a detached run re-attached from another process.
+cancel, a detached run re-attached from another process, and a warm call cancelled while it
+waits for GPUs.
 
     python benchmarks/runs_gpu.py            # on a machine with 2 or more GPUs
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -118,6 +120,48 @@ def detached_run() -> None:
           f"{run_id}: {run.result()}")
 
 
+@gpufleet.distributed(tracking=False, warm=True)
+def warm_device() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(0).uuid)
+
+
+def warm_call_cancelled_while_queued() -> None:
+    """A warm call that waits for GPUs another run holds is cancelled without starting its
+    pool; once they are free, the pool starts on them and serves calls."""
+    n = torch.cuda.device_count()
+    holder = hold.options(gpus=n).submit(120)
+    while holder.status() != "running":
+        time.sleep(0.2)
+    errors = []
+    caller = threading.Thread(target=lambda: _catch(warm_device.distributed, errors))
+    caller.start()
+    while not [r for r in gpufleet.runs() if r.name == "warm_device"]:
+        time.sleep(0.1)
+    (queued,) = [r for r in gpufleet.runs() if r.name == "warm_device"]
+    time.sleep(2)
+    was = queued.status()
+    started = time.monotonic()
+    status = queued.cancel()
+    caller.join(30)
+    check("a queued warm call is cancelled before its pool starts",
+          was == "queued" and status == "cancelled" and isinstance(errors[0], gpufleet.RunCancelledError)
+          and holder.status() == "running",
+          f"{was} -> {status} in {time.monotonic() - started:.1f} s, {type(errors[0]).__name__}")
+    holder.cancel()
+    values = [warm_device.distributed() for _ in range(2)]
+    check("then the pool starts on the freed GPUs and serves calls",
+          all(len(set(v)) == n for v in values), f"{len(values)} calls, {n} distinct GPUs each")
+
+
+def _catch(fn, errors: list) -> None:
+    try:
+        fn()
+    except BaseException as exc:
+        errors.append(exc)
+
+
 @gpufleet.distributed(tracking=False)
 def rank_of() -> int:
     from gpufleet import runtime
@@ -142,6 +186,7 @@ if __name__ == "__main__":
     cli_run_with_nccl()
     concurrent_submits()
     detached_run()
+    warm_call_cancelled_while_queued()
     failed = [name for name, ok, _ in checks if not ok]
     print(f"{len(checks) - len(failed)} of {len(checks)} checks passed", flush=True)
     sys.exit(1 if failed else 0)
