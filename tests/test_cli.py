@@ -593,7 +593,8 @@ def test_prune_deletes_ended_runs_and_gone_pools_never_a_running_run(tmp_path):
         assert done.returncode == 0, explain(done)
     ids = {r["name"]: r["id"] for r in json_out(cli("runs", "--json"))}
     assert sorted(ids) == ["new", "old", "one"], ids
-    started = cli("run", "--detach", "--json", "--gpus", "1", "--name", "sleeper", "sleeper.py", pid_dir)
+    # named like a pool's folder, which must not make it one
+    started = cli("run", "--detach", "--json", "--gpus", "1", "--name", "pool-sleeper", "sleeper.py", pid_dir)
     running = json_out(started)["id"]
     try:
         deadline = time.monotonic() + START_BOUND_S
@@ -611,7 +612,7 @@ def test_prune_deletes_ended_runs_and_gone_pools_never_a_running_run(tmp_path):
 
         dry = cli("prune", "--older-than", "0s", "--dry-run")
         assert dry.returncode == 0 and sorted(dry.stdout.split()) == sorted([ids["new"], *pools]), explain(dry)
-        assert "would free" in dry.stderr, explain(dry)
+        assert "would delete 2 folders" in dry.stderr, explain(dry)
         assert (runs_dir / ids["new"]).is_dir() and (runs_dir / pools[0]).is_dir(), "a dry run deletes nothing"
         young = cli("prune", "--older-than", "1h")
         assert young.returncode == 0 and young.stdout.split() == [], explain(young)
@@ -626,6 +627,11 @@ def test_prune_deletes_ended_runs_and_gone_pools_never_a_running_run(tmp_path):
     assert_all_gone(ranks, what="the sleeper's ranks after cancel")
     last = cli("prune", "--older-than", "0s")
     assert last.stdout.split() == [running], explain(last)
+    assert list(runs_dir.iterdir()) == []
+
+    write(runs_dir / ".pruning-half-gone" / "attempt-0" / "logs" / "rank-0.log", "left by a prune cut short\n")
+    again = cli("prune", "--keep", "10")
+    assert again.returncode == 0 and again.stdout.split() == ["half-gone"], explain(again)
     assert list(runs_dir.iterdir()) == []
 
     bad = cli("prune", "--older-than", "7x")

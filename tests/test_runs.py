@@ -36,7 +36,7 @@ import pytest
 
 import gpufleet
 from gpufleet import ConfigError, RunFailedError, distributed, runtime
-from support import assert_all_gone, rank_lines, rank_processes, run_folders
+from support import assert_all_gone, rank_lines, rank_processes, run_folders, script_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -663,7 +663,7 @@ def test_a_run_cancelled_before_it_starts_never_starts(runs_dir, monkeypatch):
         late.result()
 
 
-def test_a_queued_warm_call_is_cancelled_while_it_waits_for_gpus(runs_dir, monkeypatch):
+def test_a_queued_warm_call_is_cancelled_while_it_waits_for_gpus(runs_dir, monkeypatch, capfd):
     monkeypatch.setenv("GPUFLEET_VIRTUAL_GPUS", "1")
     errors = []
 
@@ -692,10 +692,44 @@ def test_a_queued_warm_call_is_cancelled_while_it_waits_for_gpus(runs_dir, monke
     waiting = wait_until(
         lambda: [r for r in gpufleet.runs(runs_dir=runs_dir) if r.name == "quick"], 30, "quick's record")
     (run,) = waiting
-    time.sleep(1)  # it waits in line for the GPU the holder has
+    wait_until(lambda: "the pool waits for 1 free GPUs" in capfd.readouterr().err, 30,
+               "the warm call's pool waiting for the GPU the holder has")
     assert run.status() == "queued", run.record()
     assert run.cancel() == "cancelled", "a cancel reaches a warm call waiting for its pool's GPUs"
     thread.join(30)
     assert len(errors) == 1 and isinstance(errors[0], gpufleet.RunCancelledError), errors
+    assert not list(runs_dir.glob("pool-*")), "the pool never started and left no folder"
     assert holder.status() == "running", "the holder is left alone"
     assert holder.cancel() == "cancelled"
+
+
+WARM_POOLS_SCRIPT = """
+import sys
+
+from gpufleet import distributed, runtime
+
+
+@distributed(gpus=2, runs_dir=sys.argv[1], timeout=60, warm=True)
+def both():
+    return runtime.get_world_size()
+
+
+@distributed(gpus=1, runs_dir=sys.argv[1], timeout=60, warm=True)
+def one():
+    return runtime.get_world_size()
+
+
+print("BOTH", both.distributed(), flush=True)
+print("ONE", one.distributed(), flush=True)
+print("BOTH", both.distributed(), flush=True)
+"""
+
+
+def test_a_warm_call_waiting_for_gpus_of_another_warm_pool_closes_that_pool(runs_dir, tmp_path, run_script):
+    env = script_env(tmp_path, GPUFLEET_VIRTUAL_GPUS="2")
+    script = run_script(WARM_POOLS_SCRIPT, runs_dir, timeout=90, env=env)
+    assert script.returncode == 0, script.explain()
+    assert [ln for ln in script.stdout.splitlines() if ln[:3] in ("BOT", "ONE")] == [
+        "BOTH [2, 2]", "ONE [1]", "BOTH [2, 2]"], "the idle pool of 2 gave its GPUs up, then started again"
+    assert "closing the warm pool" in script.stderr, script.explain()
+    assert_all_gone(script.tree, what="processes of the warm=True script")

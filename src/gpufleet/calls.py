@@ -102,13 +102,16 @@ class _Execution:
                     self.ticket.drop()
                 self._release_devices()  # first: nothing below may keep the GPUs held
             finally:
-                try:  # MLflow's status first: a record that says ended means everything ended
+                # the error, then MLflow's status, then the run's: a record that says ended
+                # means MLflow's run has ended too (or could not be ended in time)
+                self.record.keep(outcome)
+                try:
                     if self.tracking.enabled:
                         self.tracking.close(tracking_status(outcome))
                 finally:
                     if self.tracking.run_id:
                         self.record.update(mlflow_run_id=self.tracking.run_id)
-                    self.record.end(outcome)
+                    self.record.close(outcome)
 
     def _attempts(self) -> list:
         earlier: list[RunFailedError] = []

@@ -162,19 +162,44 @@ def cmd_prune(args) -> int:
     if args.keep is not None and args.keep < 0:
         raise ConfigError(f"--keep {args.keep}: give a number of runs, 0 or more")
     chosen = records.prunable(args.runs_dir, args.older_than, args.keep)
-    size = sum(_size(path) for path in chosen)
+    size, failed = 0, 0
     for path in chosen:
+        size += _size(path)
         if not args.dry_run:
-            shutil.rmtree(path, ignore_errors=True)
-        print(path.name)
-    verb = "would free" if args.dry_run else "freed"
-    print(f"gpufleet: {len(chosen)} folder{'' if len(chosen) == 1 else 's'}, {verb} "
-          f"{size / 2**20:.1f} MiB", file=sys.stderr)
-    return 0
+            try:
+                _delete(path)
+            except OSError as exc:
+                print(f"gpufleet: could not delete {path}: {exc}", file=sys.stderr)
+                failed += 1
+                continue
+        print(path.name.removeprefix(records.PRUNING))
+    done = len(chosen) - failed
+    what = f"{done} folder{'' if done == 1 else 's'}, {size / 2**20:.1f} MiB"
+    print(f"gpufleet: {'would delete' if args.dry_run else 'deleted'} {what}", file=sys.stderr)
+    return EXIT_FAILED if failed else 0
+
+
+def _delete(path: Path) -> None:
+    """Hidden first (no listing shows a half-deleted run), then removed; a folder left half
+    deleted is picked up by the next prune."""
+    try:
+        if not path.name.startswith(records.PRUNING):
+            doomed = path.with_name(records.PRUNING + path.name)
+            path.rename(doomed)
+            path = doomed
+        shutil.rmtree(path)
+    except FileNotFoundError:  # another prune is deleting it
+        pass
 
 
 def _size(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    total = 0
+    for f in folder.rglob("*"):
+        try:
+            total += f.lstat().st_size if f.is_file() else 0
+        except OSError:  # removed meanwhile
+            pass
+    return total
 
 
 def _age(text: str) -> float:
@@ -302,10 +327,11 @@ def _parser() -> argparse.ArgumentParser:
     prune = sub.add_parser(
         "prune", parents=[common], help="delete the folders of ended runs",
         description="Delete the folders of runs that have ended (never a queued or running one) "
-        "and of warm pools whose ranks are gone; print what was deleted. With both limits, a run "
-        "goes when it is older than AGE and not among the N newest.")
+        "and, with --older-than, of warm pools that are gone; print what was deleted. With both "
+        "limits, a run goes when it ended more than AGE ago and is not among the N most recently "
+        "ended.")
     prune.add_argument("--older-than", type=_age, metavar="AGE", help="runs that ended more than AGE ago: 90s, 30m, 12h, 7d")
-    prune.add_argument("--keep", type=int, metavar="N", help="keep the N newest ended runs")
+    prune.add_argument("--keep", type=int, metavar="N", help="keep the N most recently ended runs")
     prune.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     prune.set_defaults(command=cmd_prune)
 

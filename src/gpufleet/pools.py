@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,11 +26,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpufleet import _environ, _process, devices, hardware
+from gpufleet import _environ, _process, devices, hardware, records
 from gpufleet.errors import ConfigError
 from gpufleet.hardware import Placement
 from gpufleet.launchers import local
 from gpufleet.options import RunOptions
+from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir, rank_pids
 from gpufleet.supervisor import Preemption, Supervisor
 
@@ -130,7 +132,7 @@ class Pool:
         ``stopped()`` while its start waited for devices. A call that does not end well
         stops them."""
         with self._lock:
-            if self._closed:
+            if self._closed or stopped():  # stopped while another call had the pool
                 yield None
                 return
             why = self._stale(env)
@@ -197,18 +199,23 @@ class _Ranks:
         """The ranks, ready; None when ``stopped()`` while waiting for free devices."""
         called_at = time.time()
         folder = RunDir.create(options.runs_dir, "pool")
+        write_private(folder.pool_owner, json.dumps(records.this_process()).encode())
         for sub in ("orders", "ready"):
             (folder.path / sub).mkdir(mode=0o700)
         pipes: list[int] = []
         agent = None
         lease = devices.Lease()
+
+        def waits(holders: list[str]) -> None:
+            give_up_devices(holders)  # another pool of this process would hold them forever
+            print(f"gpufleet: the pool waits for {placement.nprocs} free GPUs (held by "
+                  f"{', '.join(sorted(set(holders)))})", file=sys.stderr, flush=True)
+
         try:
             if placement.takes_devices:
-                lease = devices.acquire(placement.nprocs, folder.name, lambda holders: print(
-                    f"gpufleet: the pool waits for {placement.nprocs} free GPUs (held by "
-                    f"{', '.join(sorted(set(holders)))})", file=sys.stderr, flush=True), stopped)
-                if lease is None:
-                    cls(folder, None, pipes, {}, devices.Lease()).stop()
+                lease = devices.acquire(placement.nprocs, folder.name, waits, stopped)
+                if lease is None:  # the call was stopped first: the pool never started
+                    shutil.rmtree(folder.path, ignore_errors=True)
                     return None
             for rank in range(placement.nprocs):
                 os.mkfifo(folder.orders(rank), 0o600)

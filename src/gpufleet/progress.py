@@ -43,7 +43,7 @@ class Status:
     name: str  # the run folder's name
     world_size: int
     elapsed: float  # seconds since the call (this attempt) began
-    alive: int | None = None  # ranks running now; None: not known
+    alive: int | None = None  # ranks running now; None once the call ended
     step: int | None = None  # rank 0's last log_metrics(step=)
     metrics: dict = field(default_factory=dict)  # and its values
     attempt: int = 0  # 0: the first run of the call
@@ -58,8 +58,6 @@ def status_line(status: Status) -> str:
         parts.append(f"attempt {status.attempt + 1}")
     if status.outcome is not None:
         parts.append(status.outcome)
-    elif status.alive is None:
-        parts.append(f"{status.world_size} ranks")
     else:
         parts.append(f"{status.alive}/{status.world_size} ranks alive")
     parts.append(clock(status.elapsed))

@@ -102,7 +102,7 @@ class Record:
 
     def supervised_here(self) -> None:
         """Name this process as the run's supervisor."""
-        self.update(supervisor={"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname()})
+        self.update(supervisor=this_process())
 
     def begin(self, devices: tuple[str, ...] = ()) -> None:
         self.update(status=RUNNING, started=time.time(), devices=list(devices))
@@ -110,11 +110,13 @@ class Record:
     def end(self, error: BaseException | None) -> None:
         """The run is over: its error first (``outcome.pkl``, for ``Run.result()``), then the
         final status, so a reader that sees the status finds the error."""
-        if error is not None:
-            self._keep(error)
-        self.update(status=status_of(error), ended=time.time(), error=_error_line(error))
+        self.keep(error)
+        self.close(error)
 
-    def _keep(self, error: BaseException) -> None:
+    def keep(self, error: BaseException | None) -> None:
+        """The run's error, if any, where ``Run.result()`` finds it (the first half of ``end``)."""
+        if error is None:
+            return
         if isinstance(error, KeyboardInterrupt):
             error = self.cancelled()
         try:
@@ -123,6 +125,10 @@ class Record:
             write_private(self.outcome, pickle.dumps(GpufleetError(
                 f"{_error_line(error)} (the error itself could not be kept: {type(exc).__name__}: {exc})"
             )))
+
+    def close(self, error: BaseException | None) -> None:
+        """The final status (the second half of ``end``), after ``keep(error)``."""
+        self.update(status=status_of(error), ended=time.time(), error=_error_line(error))
 
     def cancelled(self) -> RunCancelledError:
         data = self.read()
@@ -172,16 +178,24 @@ def all_records(runs_dir: Path | None = None) -> list[Record]:
     root = runs_root(runs_dir)
     if not root.is_dir():
         return []
-    found = [Record(p) for p in root.iterdir() if (p / "record.json").is_file()]
+    found = [Record(p) for p in root.iterdir()
+             if not p.name.startswith(PRUNING) and (p / "record.json").is_file()]
     dated = [(when, r) for r in found if (when := _created(r)) is not None]  # deleted meanwhile
     return [r for _, r in sorted(dated, key=lambda item: item[0], reverse=True)]
 
 
+PRUNING = ".pruning-"  # a folder being deleted by ``gpufleet prune`` (hidden from listings)
+
+
 def prunable(runs_dir: Path | None, older_than: float | None, keep: int | None) -> list[Path]:
     """The folders ``gpufleet prune`` deletes: runs that ended more than ``older_than``
-    seconds ago and are not among the ``keep`` newest ended runs (either limit may be None),
-    and, with ``older_than``, the folders of warm pools whose ranks are all gone and that
-    have not changed for that long. A queued or running run is never one of them."""
+    seconds ago and are not among the ``keep`` most recently ended (either limit may be
+    None); with ``older_than``, the folders of warm pools that are gone and unchanged for that
+    long; and what an earlier prune left half deleted. A queued or running run, or a pool
+    still starting or serving, is never one of them."""
+    root = runs_root(runs_dir)
+    if not root.is_dir():
+        return []
     now = time.time()
     ended = []
     for record in all_records(runs_dir):
@@ -192,18 +206,35 @@ def prunable(runs_dir: Path | None, older_than: float | None, keep: int | None) 
             continue
     ended.sort(reverse=True)
     chosen = [path for when, path in ended[keep or 0:] if older_than is None or now - when > older_than]
-    if older_than is not None:
-        root = runs_root(runs_dir)
-        pools = root.glob("pool-*") if root.is_dir() else []
-        chosen += sorted(p for p in pools if now - p.stat().st_mtime > older_than and _pool_gone(p))
+    for folder in sorted(root.iterdir()):
+        if folder.name.startswith(PRUNING):
+            chosen.append(folder)
+        elif older_than is not None and _pool_gone(RunDir(folder), now - older_than):
+            chosen.append(folder)
     return chosen
 
 
-def _pool_gone(folder: Path) -> bool:
-    """A warm pool's folder whose ranks have all exited (a pool that starts again gets a new
-    folder); a pid now another process's keeps the folder, erring on the safe side."""
-    pids = [read_pid(p) for p in (folder / "pids").glob("rank-*.pid")]
-    return not any(pid is not None and _start_time(pid) is not None for pid in pids)
+def _pool_gone(folder: RunDir, before: float) -> bool:
+    """Whether ``folder`` is a warm pool's (it names its owner; no run's record) that has
+    not changed since ``before`` and is over: its owning process is gone, or its ranks all
+    exited (a pool that starts again gets a new folder). A pool of another host is left to it."""
+    try:
+        if (folder.path / "record.json").exists() or folder.path.stat().st_mtime > before:
+            return False
+        owner = json.loads(folder.pool_owner.read_text())
+    except (OSError, ValueError):  # not a pool's folder, or deleted meanwhile
+        return False
+    if owner.get("host") != socket.gethostname():
+        return False
+    if not is_alive(owner):
+        return True
+    pids = [read_pid(p) for p in (folder.path / "pids").glob("rank-*.pid")]
+    return bool(pids) and not any(pid is not None and _start_time(pid) is not None for pid in pids)
+
+
+def this_process() -> dict:
+    """This process as a record names its supervisor (and a pool its owner)."""
+    return {"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname()}
 
 
 def status_of(error: BaseException | None) -> str:

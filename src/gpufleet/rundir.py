@@ -117,6 +117,12 @@ class RunDir:
         return self.path / "progress.json"
 
     @property
+    def pool_owner(self) -> Path:
+        """A warm pool's folder: the process that owns the pool (pid, start time, host), so
+        that ``gpufleet prune`` can tell a pool still starting or serving from one that is gone."""
+        return self.path / "pool-owner.json"
+
+    @property
     def cancel_request(self) -> Path | None:
         """Exists once someone asked to cancel the run this attempt belongs to (``Run.cancel()``);
         None for a folder that is no run's attempt (a warm pool's)."""

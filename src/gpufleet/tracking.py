@@ -184,12 +184,15 @@ class PendingTracking:
             self._found.attempt(number)
 
     def close(self, status: str) -> None:
-        """The call ended with ``status``: end the run now, or as soon as it exists."""
+        """The call ended with ``status``: end the run now, or as soon as it exists, waiting
+        up to FINISH_WAIT_S for that (the process may exit right after, with the thread)."""
         with self._lock:
             self._closed = status
             found = self._found
         if found is not None:
             found.finish(status)
+        elif self._thread is not None:
+            self._thread.join(FINISH_WAIT_S)  # its creator ends it as soon as it exists
 
     def _warn(self, why: str) -> None:
         if not self._warned:
