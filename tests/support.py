@@ -8,6 +8,7 @@ parent died.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
@@ -255,3 +256,21 @@ class Script:
         self.popen.kill()
         kill_all(tree)
         self.popen.wait()
+
+
+class Terminal(io.StringIO):
+    """What a terminal would receive: text that says it is a TTY."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def terminal_stdout(monkeypatch) -> Terminal:
+    """sys.stdout as a 160-column xterm for the rest of the test (rich's own switches off)."""
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    for name in ("TTY_COMPATIBLE", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setenv("COLUMNS", "160")
+    return screen

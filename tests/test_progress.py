@@ -16,20 +16,13 @@ from rich.console import Console
 from gpufleet import distributed, log_metrics, runtime
 from gpufleet.logs import LogFollower
 from gpufleet.progress import Status, TerminalDisplay, status_line
-from support import rank_lines, run_folders
+from support import Terminal, rank_lines, run_folders, terminal_stdout
 from test_notebook import Kernel, idle, kernel_env  # noqa: F401 - kernel_env is a fixture
 
 pytestmark = pytest.mark.timeout(90)
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 CONTROL = re.compile(r"(\x1b\[[0-9;?]*[A-Za-z]|\r|\n)")
-
-
-class Terminal(io.StringIO):
-    """What a terminal would receive: text that says it is a TTY."""
-
-    def isatty(self) -> bool:
-        return True
 
 
 def screen_of(output: str) -> list[str]:
@@ -179,12 +172,7 @@ def test_terminal_display_draws_bars_over_the_status_and_keeps_a_final_line(monk
 
 
 def test_a_run_in_a_terminal_shows_a_live_status_line(runs_dir, monkeypatch):
-    screen = Terminal()
-    monkeypatch.setattr(sys, "stdout", screen)
-    for name in ("TTY_COMPATIBLE", "FORCE_COLOR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TERM", "xterm-256color")
-    monkeypatch.setenv("COLUMNS", "160")
+    screen = terminal_stdout(monkeypatch)
     make_trainer(runs_dir, steps=20, pause=0.15).distributed()
 
     text = screen.getvalue()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import _thread
 import importlib
-import io
 import json
 import os
 import re
@@ -40,7 +39,7 @@ from gpufleet import (ConfigError, RunFailedError, RunHangError, RunPreemptedErr
 from gpufleet.errors import GpufleetError  # noqa: E402
 from gpufleet.launchers import _ray_env  # noqa: E402
 from gpufleet.launchers import ray as ray_launcher  # noqa: E402
-from support import line_of, script_env  # noqa: E402
+from support import line_of, script_env, terminal_stdout  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,19 +161,9 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
     assert (progress["step"], progress["metrics"]) == (7, {"sum": 6.0}), "rank 0's progress mirrored"
 
 
-class _Terminal(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
 @pytest.mark.slow
 def test_the_status_line_counts_the_ranks_alive_on_their_nodes(cluster, runs_dir, monkeypatch):
-    screen = _Terminal()
-    monkeypatch.setattr(sys, "stdout", screen)
-    for name in ("TTY_COMPATIBLE", "FORCE_COLOR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TERM", "xterm-256color")
-    monkeypatch.setenv("COLUMNS", "160")
+    screen = terminal_stdout(monkeypatch)
 
     def steady():
         from gpufleet import log_metrics
