@@ -21,6 +21,9 @@ POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory be
 VIRTUAL_GPUS = "GPUFLEET_VIRTUAL_GPUS"  # a machine without GPUs schedules runs as if it had N
 DEVICE_TICKET = "GPUFLEET_DEVICE_TICKET"  # a submitted run's place in line for devices
 PARAMETERS = "GPUFLEET_PARAMETERS"  # a workload's parameters file, for its ranks
+# A submitted call's env= (JSON), handed to its background supervisor in its environment so
+# that no value is written into the run folder; the supervisor takes it out of its own.
+CALL_ENV = "GPUFLEET_CALL_ENV"
 RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use by default
 
 
@@ -105,6 +108,13 @@ def virtual_gpus() -> int:
 
         raise ConfigError(f"{VIRTUAL_GPUS}={value!r} must be a whole number of GPUs, e.g. 4")
     return int(value)
+
+
+def pop_call_env() -> dict[str, str]:
+    """A submitted call's ``env=`` (empty when none), removed from this process's environment."""
+    import json
+
+    return json.loads(os.environ.pop(CALL_ENV, None) or "{}")
 
 
 def device_ticket() -> str | None:

@@ -6,6 +6,8 @@ process (docs/design.md, "Run records and handles").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -165,10 +167,11 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
     import cloudpickle
 
     record = call.record(detached=call.options.detach, background=True, **fields)
-    env = dict(env or {})
+    # env= values never touch the disk: they reach the supervisor in its environment
+    env = {**(env or {}), _environ.CALL_ENV: json.dumps(dict(call.options.env))}
     ticket = None
     try:
-        write_private(record.call, cloudpickle.dumps(call))
+        write_private(record.call, cloudpickle.dumps(dataclasses.replace(call, options=call.options.replace(env={}))))
         # as calls._hold_devices: a run started inside a rank holds no devices of its own
         if call.placement.takes_devices and not call.options.remote and _environ.run_dir() is None:
             ticket = devices.reserve(record.id, record.read()["created"])

@@ -81,6 +81,11 @@ class RunOptions:
         _check_remote_combination(run, given)
         return run
 
+    def __repr__(self) -> str:
+        """Every option, with environment values masked: a repr lands in logs and tracebacks."""
+        shown = (f"{f.name}={_shown(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self))
+        return f"RunOptions({', '.join(shown)})"
+
     def shows_rank(self, rank: int) -> bool:
         if self.logs == "all":
             return True
@@ -135,7 +140,7 @@ def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
     """Cluster options without remote=True would be silently unused; a warm pool is local."""
     if not run.remote:
         unused = [
-            f"{name}={getattr(run, name)!r}" for name, default in CLUSTER_OPTIONS.items()
+            f"{name}={_shown(name, getattr(run, name))!r}" for name, default in CLUSTER_OPTIONS.items()
             if name in given and getattr(run, name) != default
         ]
         if unused:
@@ -223,8 +228,9 @@ def _check_runtime_env(runtime_env):
     if runtime_env is None:
         return None
     if not isinstance(runtime_env, Mapping) or not all(isinstance(k, str) for k in runtime_env):
-        raise ConfigError(
-            f"runtime_env={runtime_env!r} must be a dict of Ray runtime_env fields, e.g. "
+        raise ConfigError(  # its value is not shown: env_vars may hold secrets
+            f"runtime_env (a {type(runtime_env).__name__}) must be a dict of Ray runtime_env "
+            "fields with string names, e.g. "
             "{'env_vars': {...}, 'excludes': ['data/']}, or None"
         )
     if "pip" in runtime_env:
@@ -318,14 +324,41 @@ def _check_logs(logs):
 
 
 def _check_env(env):
-    if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise ConfigError(f"env={env!r} must be a mapping of str to str (environment variables)")
-    bad = [k for k in env if not k or "=" in k or "\0" in k]
-    if bad:
-        raise ConfigError(f"env: {bad[0]!r} is not a valid environment variable name")
+    """Names the offending key and the type of its value, never a value: env holds secrets."""
+    if not isinstance(env, Mapping):
+        raise ConfigError(
+            f"env must be a mapping of environment variable names to strings, got a "
+            f"{type(env).__name__}"
+        )
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            shown = repr(key) if isinstance(key, str) else f"a {type(key).__name__}"
+            raise ConfigError(f"env: {shown} is not a valid environment variable name")
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"env[{key!r}] is a {type(value).__name__}; environment values must be strings "
+                f"(e.g. str(...) it)"
+            )
+        if "\0" in value:
+            raise ConfigError(
+                f"env[{key!r}] holds a NUL byte, which no environment variable can carry; "
+                "remove it"
+            )
     return dict(env)
+
+
+def masked(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as reprs and messages show it: names only (values may be secrets)."""
+    return {key: "***" for key in env}
+
+
+def _shown(name: str, value):
+    """An option's value as reprs and messages show it: environment values masked."""
+    if name == "env":
+        return masked(value)
+    if name == "runtime_env" and isinstance(value, Mapping) and isinstance(value.get("env_vars"), Mapping):
+        return {**value, "env_vars": masked(value["env_vars"])}
+    return value
 
 
 def _check_runs_dir(runs_dir):
