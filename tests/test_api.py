@@ -121,6 +121,56 @@ def test_non_callable_raises_config_error(target, form):
     assert repr(target) in str(info.value) or type(target).__name__ in str(info.value)
 
 
+async def _coroutine_fn():
+    return 1
+
+
+async def _async_generator_fn():
+    yield 1
+
+
+def _generator_fn():
+    yield 1
+
+
+class _Scaled:
+    async def __call__(self):
+        return 1
+
+
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        (_coroutine_fn, ["async def", "asyncio.run"]),
+        (_async_generator_fn, ["async def", "asyncio.run"]),
+        (_generator_fn, ["generator", "return a list"]),
+        (_Scaled(), ["async def", "asyncio.run"]),  # an instance whose __call__ is async
+    ],
+    ids=["async def", "async generator", "generator", "async __call__"],
+)
+def test_functions_no_rank_could_run_are_refused_at_decoration(target, words, runs_dir,
+                                                               no_leftover_processes):
+    with pytest.raises(ConfigError) as info:
+        distributed(gpus=2, runs_dir=runs_dir)(target)
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    assert not run_folders(runs_dir) and not no_leftover_processes.started_since()
+
+
+def test_a_callable_instance_runs_on_every_rank_with_its_state(runs_dir):
+    class Trainer:
+        def __init__(self, lr):
+            self.lr = lr
+
+        def __call__(self, epochs):
+            return (runtime.get_global_rank(), self.lr * epochs)
+
+    trainer = distributed(gpus=2, runs_dir=runs_dir, logs="none")(Trainer(0.5))
+    assert trainer(4) == (0, 2.0)  # a direct call runs here
+    assert trainer.distributed(4) == [(0, 2.0), (1, 2.0)]
+    assert "Trainer" in repr(trainer) and run_folders(runs_dir)[0].parent.name.startswith("Trainer-")
+
+
 def _assert_nothing_started(runs_dir, sampler, elapsed):
     assert elapsed < FAST_FAIL_S
     assert not run_folders(runs_dir), "no run may start when the payload cannot be pickled"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -24,14 +25,13 @@ class DistributedFunction(Generic[R]):
     """
 
     def __init__(self, fn: Callable[..., R], options: RunOptions):
-        if not callable(fn):
-            raise ConfigError(
-                f"@distributed decorates a function, got {fn!r} (of type {type(fn).__name__}); "
-                "put it on a `def`"
-            )
         if isinstance(fn, DistributedFunction):  # decorated again: the new options win
             fn = fn._fn
+        _check_callable(fn)
         functools.update_wrapper(self, fn)  # before our own attributes: it copies fn.__dict__
+        if not hasattr(self, "__name__"):  # a callable instance: named by its class
+            self.__name__ = self.__qualname__ = type(fn).__name__
+            self.__module__ = type(fn).__module__
         self._fn = fn
         self._options = options
         self.last_run: Path | None = None  # the folder of the last attempt started here
@@ -86,6 +86,27 @@ class DistributedFunction(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<DistributedFunction {self.__qualname__} {self._options}>"
+
+
+def _check_callable(fn: Any) -> None:
+    """Refuse, before any rank starts, what cannot run as a rank's function."""
+    if not callable(fn):
+        raise ConfigError(
+            f"@distributed decorates a function, got {fn!r} (of type {type(fn).__name__}); "
+            "put it on a `def`"
+        )
+    target = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", fn)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if inspect.isasyncgenfunction(target) or inspect.iscoroutinefunction(target):
+        raise ConfigError(
+            f"{name} is an `async def` function, whose call only makes a coroutine that no rank "
+            "would run; decorate a plain `def` that calls asyncio.run(...) on it"
+        )
+    if inspect.isgeneratorfunction(target):
+        raise ConfigError(
+            f"{name} is a generator function (it yields), whose call only makes a generator "
+            "that no rank would run; return a list of the values instead of yielding them"
+        )
 
 
 def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
