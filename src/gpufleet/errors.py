@@ -206,6 +206,9 @@ def describe(failure: RankFailure) -> str:
     if failure.kind == "signal":
         hint = _SIGNAL_HINTS.get(failure.signal_name or "", "")
         return f"died from {failure.summary}{where}" + (f" — {hint}" if hint else "")
+    if failure.kind == "exit" and failure.exitcode == 0:
+        return (f"exited with code 0 before returning{where} — the process was ended from "
+                "inside the function (os._exit(0), or a library that exits), so no result came back")
     if failure.kind == "exit":
         return f"exited with {failure.summary} without raising a Python exception{where}"
     return f"{KINDS.get(failure.kind, '')}{failure.summary}{where}"

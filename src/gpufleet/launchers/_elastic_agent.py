@@ -140,11 +140,15 @@ def _report_every_failed_rank() -> None:
     def poll_every_rank(self):
         result = poll(self)
         processes = getattr(getattr(self, "_pc", None), "processes", None)
+        if result is None and processes is not None:
+            return _returned_nothing(self, processes)
         if result is None or not result.failures or processes is None:
             return result
+        returned = getattr(self, "_return_values", {})
         for local_rank, process in enumerate(processes):
             code = process.exitcode
-            if local_rank not in result.failures and code not in (0, None):
+            ended_early = code == 0 and local_rank not in returned  # see _returned_nothing
+            if local_rank not in result.failures and (code not in (0, None) or ended_early):
                 result.failures[local_rank] = ProcessFailure(
                     local_rank=local_rank, pid=process.pid, exitcode=code,
                     error_file=self.error_files[local_rank],
@@ -152,6 +156,36 @@ def _report_every_failed_rank() -> None:
         return result
 
     api.MultiprocessContext._poll = poll_every_rank
+
+
+def _returned_nothing(context, processes):
+    """Ranks that exited with code 0 before handing back their return value (the function
+    called ``os._exit(0)``, or a library did): elastic would wait for that value for ever, so
+    they are failures, reported at once, and the others are stopped as after any failure. A
+    rank that returned waits in elastic's wrapper until every value is in, so an exit 0 with
+    no value is never a success."""
+    from torch.distributed.elastic.multiprocessing.api import RunProcsResult
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    values = getattr(context, "_return_values", None)
+    queues = getattr(context, "_ret_vals", None)
+    if values is None or queues is None:
+        return None
+    failures = {}
+    for local_rank, process in enumerate(processes):
+        if process.exitcode != 0 or local_rank in values:
+            continue
+        if not queues[local_rank].empty():  # its value arrived since elastic looked
+            values[local_rank] = queues[local_rank].get()
+            continue
+        failures[local_rank] = ProcessFailure(
+            local_rank=local_rank, pid=process.pid, exitcode=0,
+            error_file=context.error_files[local_rank],
+        )
+    if not failures:
+        return None
+    context.close()
+    return RunProcsResult(failures=failures, stdouts=context.stdouts, stderrs=context.stderrs)
 
 
 def _register_loopback_rendezvous() -> None:

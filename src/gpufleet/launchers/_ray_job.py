@@ -51,6 +51,7 @@ class RankActor:
     started: bool = False  # the rank wrote its pid file: it runs its function
     pid: int | None = None  # on its node; never used on this machine
     exit: int | None = None
+    returned: bool = False  # its result is here (an exit 0 without one is a failure)
     ended_at: float = 0.0
     lost: str | None = None  # why it counts as lost
     actor_dead: bool = False  # Ray reported its actor dead (nothing left to close)
@@ -62,7 +63,7 @@ class RankActor:
 
     @property
     def failed(self) -> bool:
-        return self.lost is not None or (self.exit is not None and self.exit != 0)
+        return self.lost is not None or (self.exit is not None and (self.exit != 0 or not self.returned))
 
 
 class RayJob:
@@ -222,6 +223,7 @@ class RayJob:
             write_private(run.timings(rank), answer["timings"])
         if answer.get("result") is not None:
             write_private(run.result(rank), answer["result"])
+            r.returned = True
         if answer.get("exit") is not None:
             r.exit, r.ended_at = answer["exit"], answer["ended_at"]
             self._note(f"rank {rank} ({r.where}) exited with {_status(r.exit)}")
@@ -293,7 +295,7 @@ class RayJob:
         for r in self.ranks:
             if r.lost is not None:
                 failures[str(r.rank)] = {"lost": r.lost, "time": r.ended_at}
-            elif r.exit not in (None, 0):
+            elif r.failed:  # an exit code, or an exit 0 before the rank returned
                 failures[str(r.rank)] = {"exitcode": r.exit, "time": r.ended_at}
         if stopped or self._stopped_by_caller:
             state = "stopped"
