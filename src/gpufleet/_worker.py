@@ -8,6 +8,7 @@ to it. See docs/design.md for why it ends with ``os._exit``.
 from __future__ import annotations
 
 import atexit
+import errno
 import faulthandler
 import json
 import os
@@ -96,8 +97,28 @@ def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
     tracking.flush_progress()  # the status line's last step is the function's last one
     if before_result is not None:
         before_result()
-    payload.write_private(run.result(rank), data)
+    try:
+        payload.write_private(run.result(rank), data)
+    except OSError as exc:  # a full disk, say: the result is lost, and the caller must hear why
+        _report_unwritten_result(run, rank, len(data), exc)
+        return False
     return outcome[0] == "ok"
+
+
+def _report_unwritten_result(run: RunDir, rank: int, size: int, exc: OSError) -> None:
+    """Leave a small failure in place of a result that could not be written; if even that
+    does not fit, the caller names the full file system from the exit alone."""
+    failure = RankFailure(
+        rank=rank, kind="result", host=socket.gethostname(), pid=os.getpid(), exitcode=1,
+        time=time.time(),
+        summary=f"its result ({size / 2**20:.1f} MiB) could not be written to {run.result(rank)}: "
+        f"{exc.strerror or exc}{payload.free_space_note(run.path, exc.errno == errno.ENOSPC)}",
+    )
+    print(f"gpufleet: {failure.summary}", file=sys.stderr, flush=True)
+    try:
+        payload.write_private(run.result(rank), payload.dump_result(("error", failure)))
+    except OSError:
+        pass  # nothing fits: the rank's exit code and the caller's look at the disk tell it
 
 
 def _serve(pool: RunDir, rank: int) -> bool:

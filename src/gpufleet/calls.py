@@ -7,6 +7,7 @@ the background process of a submitted run (``_submitted.py``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from gpufleet import _environ, devices, hardware, launchers, pools
 from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.hardware import Placement
 from gpufleet.options import RunOptions, check_world
-from gpufleet.payload import dump_call, write_private
+from gpufleet.payload import dump_call, free_space_note, write_private
 from gpufleet.records import Record
 from gpufleet.rundir import RunDir
 from gpufleet.supervisor import Preemption, Supervisor
@@ -104,14 +105,27 @@ class _Execution:
             finally:
                 # the error, then MLflow's status, then the run's: a record that says ended
                 # means MLflow's run has ended too (or could not be ended in time)
-                self.record.keep(outcome)
+                with self._bookkeeping("its error"):
+                    self.record.keep(outcome)
                 try:
                     if self.tracking.enabled:
                         self.tracking.close(tracking_status(outcome))
                 finally:
-                    if self.tracking.run_id:
-                        self.record.update(mlflow_run_id=self.tracking.run_id)
-                    self.record.close(outcome)
+                    with self._bookkeeping("its final status"):
+                        if self.tracking.run_id:
+                            self.record.update(mlflow_run_id=self.tracking.run_id)
+                        self.record.close(outcome)
+
+    @contextlib.contextmanager
+    def _bookkeeping(self, what: str):
+        """A record that cannot be written (a full disk, a deleted folder) is said in one line;
+        it never replaces the run's own outcome, which is raised or returned all the same."""
+        try:
+            yield
+        except OSError as exc:
+            print(f"gpufleet: could not keep {what} in {self.record.path}: "
+                  f"{exc.strerror or exc}{free_space_note(self.record.path, exc.errno == errno.ENOSPC)}",
+                  file=sys.stderr, flush=True)
 
     def _attempts(self) -> list:
         earlier: list[RunFailedError] = []
@@ -228,6 +242,8 @@ def retryable(error: RunFailedError, no_retry: tuple) -> bool:
     """A timeout ends the call (it bounds all attempts), a preemption too (this process is
     going away), and a cancel; so does a root cause in no_retry."""
     if isinstance(error, (RunTimeoutError, RunPreemptedError, RunCancelledError)):
+        return False
+    if not error.run_dir.parent.is_dir():  # the run's folder was deleted: nowhere to go on
         return False
     cause = error.__cause__
     if cause is not None:

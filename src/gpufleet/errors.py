@@ -20,6 +20,8 @@ _SIGNAL_HINTS = {
 }
 
 
+LOG_LINE_CHARS = 300  # of each log line quoted in an error
+
 # How a rank can fail (RankFailure.kind), and the words that lead its line in an error.
 KINDS = {
     "exception": "",
@@ -148,7 +150,7 @@ class RunFailedError(GpufleetError, RuntimeError):
                 lines.append(failure.traceback.rstrip())
             if failure.log_tail:
                 lines.append(f"last lines of rank {failure.rank}'s log:")
-                lines += [f"  {line}" for line in failure.log_tail]
+                lines += [f"  {_clipped(line)}" for line in failure.log_tail]
         if self.stopped:
             lines += ["", f"{_ranks_label(self.stopped)} stopped by gpufleet after the failure."]
         lines += ["", f"per-rank logs: {self.run_dir / 'logs'}/rank-<N>.log"]
@@ -226,6 +228,11 @@ def group_failures(failures: list[RankFailure]) -> list[tuple[list[int], RankFai
         ranks, _ = groups.setdefault(failure.group_key(), ([], failure))
         ranks.append(failure.rank)
     return [(sorted(ranks), first) for ranks, first in groups.values()]
+
+
+def _clipped(line: str) -> str:
+    """A log line as an error quotes it: the per-rank log keeps it whole."""
+    return line if len(line) <= LOG_LINE_CHARS else f"{line[:LOG_LINE_CHARS]}… ({len(line)} characters)"
 
 
 def _ranks_label(ranks: list[int]) -> str:

@@ -27,6 +27,7 @@ from cloudpickle import cloudpickle as _cloudpickle_impl
 from gpufleet.errors import GpufleetError, PayloadError
 
 LARGE_PAYLOAD_BYTES = 256 * 2**20
+FULL_DISK_BYTES = 2**20  # less free space than this, and a failed write is named a full disk
 
 
 def _code_reduce_keeping_filename(code: types.CodeType):
@@ -154,6 +155,21 @@ def write_private(path: Path, data: bytes) -> None:
     except BaseException:  # an interrupt half-way leaves no temp file behind
         tmp.unlink(missing_ok=True)
         raise
+
+
+def free_space_note(path: Path, full: bool = False) -> str:
+    """`` (the file system of PATH is full: N bytes free ...)`` when it is nearly full, or
+    ``full`` (a write there just failed with ENOSPC); else ""."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    if free >= FULL_DISK_BYTES and not full:
+        return ""
+    return (f" (the file system of {path} is full: {free / 2**20:.1f} MiB free; free space "
+            "there, or point GPUFLEET_HOME or runs_dir= at a larger one)")
 
 
 def load_private(path: Path) -> Any:

@@ -33,6 +33,9 @@ SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
 )
 FINAL = (SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST)
 NAMING_SECONDS = 60.0  # for a submitted run's supervisor to start and name itself
+# Space set aside while a run is going, freed for its error and final status: a run that
+# fills its disk (logs, results) can still say how it ended.
+SPARE_BYTES = 2**20
 
 
 class Record:
@@ -47,6 +50,7 @@ class Record:
         ensure_private_dir(root)
         record = cls(root / new_id(name))
         record.path.mkdir(mode=0o700)
+        _set_aside(record.spare, SPARE_BYTES)
         record._write({
             "id": record.id, "name": name, "status": QUEUED, "created": time.time(),
             "started": None, "ended": None, "attempts": [], "devices": [], "error": None,
@@ -71,6 +75,11 @@ class Record:
     def outcome(self) -> Path:
         """The error of a failed run, pickled, for ``Run.result()`` in any process."""
         return self.path / "outcome.pkl"
+
+    @property
+    def spare(self) -> Path:
+        """Space set aside for the run's end (``SPARE_BYTES``), removed when it ends."""
+        return self.path / ".spare"
 
     @property
     def supervisor_log(self) -> Path:
@@ -115,6 +124,7 @@ class Record:
 
     def keep(self, error: BaseException | None) -> None:
         """The run's error, if any, where ``Run.result()`` finds it (the first half of ``end``)."""
+        self.spare.unlink(missing_ok=True)  # room for the error and the status, disk full or not
         if error is None:
             return
         if isinstance(error, KeyboardInterrupt):
@@ -128,6 +138,7 @@ class Record:
 
     def close(self, error: BaseException | None) -> None:
         """The final status (the second half of ``end``), after ``keep(error)``."""
+        self.spare.unlink(missing_ok=True)
         self.update(status=status_of(error), ended=time.time(), error=_error_line(error))
 
     def cancelled(self) -> RunCancelledError:
@@ -153,6 +164,17 @@ class Record:
 
     def _write(self, data: dict) -> None:
         write_private(self.file, json.dumps(data, indent=1).encode())
+
+
+def _set_aside(path: Path, size: int) -> None:
+    """A file of ``size`` bytes that really takes its blocks (not a sparse one)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:  # a file system without fallocate: write them
+        os.write(fd, bytes(size))
+    finally:
+        os.close(fd)
 
 
 def find(run_id: str, runs_dir: Path | None = None) -> Record:

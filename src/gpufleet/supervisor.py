@@ -25,7 +25,7 @@ from gpufleet.errors import (
 from gpufleet.logs import LogFollower, tail_lines
 from gpufleet.monitor import RunMonitor
 from gpufleet.options import RunOptions
-from gpufleet.payload import load_private, write_private
+from gpufleet.payload import free_space_note, load_private, write_private
 from gpufleet.rundir import RunDir, rank_pids
 from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
 
@@ -166,6 +166,12 @@ class Supervisor:
                     [], run_dir=self.run.path, world_size=self.world_size,
                     headline=f"run {self.run.path.parent.name} was cancelled: every rank was stopped",
                 )
+            elif outcome == "deleted":
+                error = RunFailedError(
+                    [], run_dir=self.run.path, world_size=self.world_size,
+                    headline=f"the run's folder {self.run.path} was deleted while it ran, so its "
+                    "logs, results and record were gone: every rank was stopped",
+                )
             if outcome != "done":
                 self.stop()
         except KeyboardInterrupt:
@@ -204,7 +210,8 @@ class Supervisor:
 
     def _follow(self, deadline: float | None) -> str:
         """Follow the run until it ends ("done"), or until it must be stopped: "timeout",
-        "hang", "grace" (the grace period after a SIGTERM is over) or "cancel"."""
+        "hang", "grace" (the grace period after a SIGTERM is over), "cancel" or "deleted"
+        (its folder is gone)."""
         hang_timeout = self.options.hang_timeout
         quick_until = time.monotonic() + QUICK_POLL_FOR_SECONDS
         while self.agent.poll() is None:
@@ -212,6 +219,8 @@ class Supervisor:
                 self.monitor.progress()
             if self.run.cancel_request is not None and self.run.cancel_request.exists():
                 return "cancel"
+            if not self.run.path.is_dir():  # nothing could be kept, nor the run be cancelled
+                return "deleted"
             if all(self.run.result(r).exists() for r in range(self.world_size)):
                 self.stamps["ranks_returned"] = time.time()
                 self.follower.poll()
@@ -412,14 +421,14 @@ def collect(
         return [values[rank] for rank in range(world_size)]
     failures, stopped = _split_stopped(failures)
     lost = report.get("state") == "lost" and agent is not None and agent.poll() is not None
-    headline = _lost_launcher(agent) if lost else None
+    headline = _lost_launcher(agent, launcher) if lost else None
     error = RunFailedError(
         failures, run_dir=run.path, world_size=world_size, stopped=stopped, headline=headline
     )
     raise error from _original_exception(error)
 
 
-def _lost_launcher(agent: subprocess.Popen) -> str:
+def _lost_launcher(agent: subprocess.Popen, launcher: RunDir) -> str:
     """The launcher (elastic's agent) ended without its report: it was killed or crashed,
     and its ranks died with it (they have PR_SET_PDEATHSIG on it)."""
     code = agent.returncode
@@ -432,7 +441,7 @@ def _lost_launcher(agent: subprocess.Popen) -> str:
         how = f"exited with code {code}"
     return (
         f"the launcher process (torch elastic agent, pid {agent.pid}) {how} before the ranks "
-        "finished; they were stopped with it"
+        f"finished; they were stopped with it{free_space_note(launcher.path)}"
     )
 
 
@@ -485,6 +494,8 @@ def _death(launcher: RunDir, rank: int, report: dict, monitor: RunMonitor | None
         time=float(info.get("time") or 0),
     )
     failure.summary = f"signal {failure.signal_name}" if code < 0 else f"exit code {code}"
+    if code > 0:  # a rank that could not write its result or log: a full disk, say
+        failure.summary += free_space_note(launcher.path)
     evidence = monitor.oom_kill_evidence(rank) if monitor and code == -signal.SIGKILL else None
     if evidence:
         failure.kind, failure.summary = "host-oom", evidence
@@ -511,6 +522,8 @@ def _original_exception(error: RunFailedError) -> BaseException | None:
 
 
 def _make_private(folder) -> None:
+    if not folder.is_dir():  # the run's folder was deleted
+        return
     for path in folder.iterdir():
         try:
             path.chmod(0o600)
