@@ -154,3 +154,40 @@ def test_a_damaged_result_file_is_refused_with_a_clear_error(tmp_path):
 
     with pytest.raises(GpufleetError, match="rank 0.*damaged"):
         collect(run, world_size=1)
+
+
+def test_gpufleet_home_and_its_folders_are_created_private(tmp_path, monkeypatch):
+    home = tmp_path / "fresh" / "gpufleet-home"  # neither exists yet
+    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+    monkeypatch.setenv("GPUFLEET_VIRTUAL_GPUS", "2")  # so that device locks are made too
+    distributed(gpus=1, logs="none", tracking=False)(lambda: None).distributed()
+
+    made = [home.parent, home, *home.iterdir()]
+    assert {p.name for p in made} >= {"gpufleet-home", "runs", "devices"}
+    for path in made:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, f"{path} is {oct(path.stat().st_mode)}"
+
+
+def test_a_gpufleet_home_others_can_write_is_refused(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o777)  # as another user could have made it
+    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+    with pytest.raises(GpufleetError) as info:
+        distributed(gpus=1, logs="none", tracking=False)(lambda: None).distributed()
+    assert str(home) in str(info.value) and "chmod 700" in str(info.value)
+    assert list(home.iterdir()) == [], "nothing may be created in it"
+
+
+def test_an_mlflow_store_gpufleet_creates_is_private(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    store = tmp_path / "tracking.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    distributed(gpus=1, runs_dir=tmp_path / "runs", logs="none", tracking=True)(lambda: 1).distributed()
+
+    import mlflow
+
+    runs = mlflow.MlflowClient(f"sqlite:///{store}").search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{store}").search_experiments()])
+    assert len(runs) == 1, "the store created private must still be MLflow's store"
+    assert stat.S_IMODE(store.stat().st_mode) == 0o600

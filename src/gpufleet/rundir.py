@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -160,9 +161,21 @@ def read_pid(path: Path) -> int | None:
 
 
 def ensure_private_dir(root: Path) -> None:
-    """Create ``root`` if needed; refuse one that another user owns or could write to."""
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_private_dir(root, writable_only=True)
+    """Create ``root`` if needed, and every missing folder above it, each 0700 (as
+    ``Path.mkdir(parents=True)`` would not); refuse a ``root`` that another user owns or could
+    write to, and so a ``$GPUFLEET_HOME`` above it (whoever can write there can swap the
+    folders in it), before anything is created in it."""
+    root = Path(root).absolute()
+    home = _environ.gpufleet_home()
+    guarded = [root]
+    if home in root.parents:
+        guarded += [p for p in root.parents if p == home or home in p.parents]
+    for folder in [*reversed(root.parents), root]:  # top down: each checked before use
+        if not folder.exists():
+            with contextlib.suppress(FileExistsError):  # made meanwhile: checked all the same
+                folder.mkdir(mode=0o700)
+        if folder in guarded:
+            check_private_dir(folder, writable_only=True)
 
 
 def check_private_dir(path: Path, writable_only: bool = False) -> None:

@@ -57,6 +57,7 @@ class Tracking:
         from mlflow import MlflowClient
 
         uri = mlflow.get_tracking_uri()
+        _private_store(uri)
         client = MlflowClient(uri)
         if joined:  # the caller's own run: log into it, leave its status to its owner
             experiment_id = client.get_run(joined).info.experiment_id
@@ -125,6 +126,24 @@ class Tracking:
         except Exception as exc:  # e.g. psutil missing: say so once, track the rest
             self.monitor = None
             print(f"gpufleet: no system metrics for this run: {exc}", file=sys.stderr, flush=True)
+
+
+def _private_store(uri: str) -> None:
+    """A local SQLite store that gpufleet is about to create is created private (0600), as
+    run folders are: it holds every run's params and metrics. One that exists is the user's
+    choice; only one that others can write to is worth a warning."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme != "sqlite" or not parts.path or parts.path == "/:memory:":
+        return
+    path = Path(urllib.parse.unquote(parts.path[1:] if parts.netloc == "" else parts.path))
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        if path.stat().st_mode & 0o022:
+            print(f"gpufleet: the MLflow store {path} can be written by other users; "
+                  f"run `chmod 600 {path}`", file=sys.stderr, flush=True)
+    except OSError:  # no such folder, say: MLflow's own error says it better
+        return
 
 
 class PendingTracking:
