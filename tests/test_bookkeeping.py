@@ -107,3 +107,28 @@ def test_a_run_whose_folder_is_deleted_is_stopped_at_once(runs_dir, tmp_path):
     assert "attempt 2" not in text, "a run whose folder is gone is not retried"
     assert not runs_dir.joinpath(folder.name).exists()
     assert_all_gone(rank_processes(pid_dir), what="ranks of the deleted run")
+
+
+def test_a_queued_run_whose_folder_is_deleted_ends_without_starting(runs_dir, monkeypatch):
+    import psutil
+
+    monkeypatch.setenv("GPUFLEET_VIRTUAL_GPUS", "1")
+
+    @distributed(gpus=1, runs_dir=runs_dir, timeout=60, logs="none")
+    def hold(seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+    first = hold.submit(20)
+    queued = hold.submit(1)
+    deadline = time.monotonic() + 30
+    while not (first.status() == "running" and queued.status() == "queued"):
+        assert time.monotonic() < deadline, (first.status(), queued.status())
+        time.sleep(0.1)
+    supervisor = psutil.Process(queued.record()["supervisor"]["pid"])
+    shutil.rmtree(queued.path)
+    supervisor.wait(DELETE_DETECTION_BOUND_S)  # psutil.TimeoutExpired if it waits on
+    assert first.status() == "running", "the run holding the GPU goes on"
+    assert first.cancel() == "cancelled"

@@ -193,9 +193,16 @@ class _Execution:
         self._begin(run, self.lease.ids)
 
     def _stop_waiting(self) -> bool:
-        return self.preemption.requested_at is not None or self.record.cancel_request.exists()
+        return (self.preemption.requested_at is not None or self.record.cancel_request.exists()
+                or not self.record.path.is_dir())
 
     def _stopped_while_queued(self, run: RunDir) -> RunFailedError:
+        if not self.record.path.is_dir():
+            return RunFailedError(
+                [], run_dir=run.path, world_size=self.call.placement.nprocs,
+                headline=f"the run's folder {self.record.path} was deleted while the run waited "
+                "for free GPUs: it never started",
+            )
         if self.preemption.requested_at is None:
             return self.record.cancelled()
         return RunPreemptedError(
