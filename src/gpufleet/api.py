@@ -154,7 +154,9 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
                 your local modules, the working directory): e.g. {"working_dir": None},
                 {"excludes": ["data/"]}, {"env_vars": {...}}, {"image_uri": ...}
 
-    Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``.
+    Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``, on a function or a
+    callable instance; generator and ``async def`` functions are refused (no rank could run
+    what their call returns).
     """
     run_options = RunOptions.create(**options)
     if fn is None:
