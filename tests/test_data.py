@@ -6,12 +6,15 @@ inside the tests so that they travel by value.
 
 from __future__ import annotations
 
+import os
 import stat
 import warnings
+from pathlib import Path
 
 import pytest
 
 from gpufleet import data, distributed, runtime
+from gpufleet.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -93,7 +96,7 @@ def test_resume_mid_epoch_continues_exactly_and_ranks_disagreeing_on_workers_war
     results = job.distributed(f"file://{remote_files}/*.txt", str(tmp_path / "cache"))
 
     for r in results:
-        assert r["state"] == {"epoch": 3, "position": 6}
+        assert r["state"] == {"epoch": 3, "position": (12, 2)}  # 12 files of 24, on 2 ranks
         assert len(r["before"]) == 6 and len(r["after"]) == FILES // 2 - 6
         assert not set(r["before"]) & set(r["after"])
     everything = [p for r in results for p in r["before"] + r["after"]]
@@ -121,3 +124,132 @@ def test_local_paths_are_read_in_place(tmp_path):
 def test_a_pattern_that_matches_nothing_says_so(tmp_path):
     with pytest.raises(ValueError, match="no files match"):
         data.FileDataset(str(tmp_path / "*.jpg"))
+
+
+# ---------------------------------------------------------------------------- saved positions
+
+
+def test_a_loader_state_saved_by_an_earlier_version_still_restores_and_says_what_it_assumes(
+    tmp_path,
+):
+    import torch
+
+    from gpufleet.checkpoint import Checkpointer
+
+    class EarlierLoader:
+        """Saves what loaders of earlier versions saved: this rank's own count of files."""
+
+        def state_dict(self):
+            return {"epoch": 1, "position": 4}
+
+        def load_state_dict(self, state):
+            raise AssertionError("only saved")
+
+    files = [str(tmp_path / f"f{i}") for i in range(10)]
+    model = torch.nn.Linear(1, 1)
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(1, model, extra={"loader": EarlierLoader()})
+    whole = data.loader(data.FileDataset(files, seed=2), batch_size=2, num_workers=0)
+    whole.dataset.set_epoch(1)
+    resumed = data.loader(data.FileDataset(files, seed=2), batch_size=2, num_workers=0)
+
+    with pytest.warns(UserWarning, match="number of ranks"):
+        Checkpointer(tmp_path / "ckpt").restore(model, extra={"loader": resumed})
+
+    assert [p for b in resumed for p in b] == [p for b in whole for p in b][4:]
+    with pytest.raises(ConfigError, match="position 11"):
+        resumed.load_state_dict({"epoch": 1, "position": 11})
+
+
+def test_a_position_past_the_end_of_the_file_list_is_refused(tmp_path):
+    loader = data.loader(data.FileDataset([str(tmp_path / "a")]), batch_size=1, num_workers=0)
+
+    with pytest.raises(ConfigError, match=r"position=30 .* from 0 to 1,"):
+        loader.load_state_dict({"epoch": 0, "position": (30, 2)})
+
+
+# ---------------------------------------------------------------------------- the cache
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """GPUFLEET_HOME in a folder that does not exist yet, under the usual umask."""
+    path = tmp_path / "gpufleet-home"
+    monkeypatch.setenv("GPUFLEET_HOME", str(path))
+    umask = os.umask(0o022)
+    yield path
+    os.umask(umask)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+def test_cached_copies_of_remote_files_are_private_to_their_user(remote_files, home):
+    cached = [Path(p) for p in data.FileDataset(f"file://{remote_files}/*.txt")]
+
+    assert len(cached) == FILES and all(p.is_relative_to(home) for p in cached)
+    folders = {home, home / "cache", home / "cache" / "data"} | {p.parent for p in cached}
+    assert {str(f): oct(_mode(f)) for f in folders} == {str(f): "0o700" for f in folders}
+    assert {oct(_mode(p)) for p in cached} == {"0o600"}
+
+
+def _open_cache(home: Path, remote_files: Path) -> Path:
+    folder = home / "cache" / "data"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    return folder
+
+
+def _readable_cache(home: Path, remote_files: Path) -> Path:
+    folder = home / "cache" / "data"
+    folder.mkdir(parents=True, mode=0o755)
+    return folder
+
+
+def _opened_file_folder(home: Path, remote_files: Path) -> Path:
+    first = next(iter(data.FileDataset(f"file://{remote_files}/*.txt", shuffle=False)))
+    folder = Path(first).parent
+    folder.chmod(0o777)
+    return folder
+
+
+def _file_folder_replaced_by_a_link(home: Path, remote_files: Path) -> Path:
+    first = Path(next(iter(data.FileDataset(f"file://{remote_files}/*.txt", shuffle=False))))
+    planted = home.parent / "planted"
+    planted.mkdir()
+    (planted / first.name).write_text("planted")
+    for path in first.parent.iterdir():
+        path.unlink()
+    first.parent.rmdir()
+    first.parent.symlink_to(planted)
+    return first.parent
+
+
+@pytest.mark.parametrize("tamper", [_open_cache, _readable_cache, _opened_file_folder,
+                                    _file_folder_replaced_by_a_link])
+def test_a_cache_folder_others_could_read_or_replace_is_refused(remote_files, home, tamper):
+    folder = tamper(home, remote_files)
+
+    with pytest.raises(ConfigError, match="chmod 700|real folder") as caught:
+        list(data.FileDataset(f"file://{remote_files}/*.txt", shuffle=False))
+    assert str(folder) in str(caught.value)
+
+
+def test_a_state_saved_right_after_set_epoch_restores_the_whole_new_epoch(tmp_path):
+    files = [str(tmp_path / f"f{i}") for i in range(6)]
+    loader = data.loader(data.FileDataset(files), batch_size=2, num_workers=0)
+    first_epoch = [path for batch in loader for path in batch]
+    loader.dataset.set_epoch(1)
+    state = loader.state_dict()  # e.g. a checkpoint at the top of each epoch
+
+    resumed = data.loader(data.FileDataset(files), batch_size=2, num_workers=0)
+    resumed.load_state_dict(state)
+
+    assert sorted(first_epoch) == sorted(files)
+    assert sorted(path for batch in resumed for path in batch) == sorted(files)
+
+
+def test_batches_out_of_order_are_refused_because_positions_count_batches_in_order(tmp_path):
+    with pytest.raises(ConfigError, match="in_order=False"):
+        data.loader(data.FileDataset([str(tmp_path / "a")]), batch_size=1, in_order=False)

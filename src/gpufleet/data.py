@@ -7,24 +7,35 @@
     for epoch in range(epochs):
         files.set_epoch(epoch)
         for batch in loader: ...
-    state = loader.state_dict()           # {"epoch": 3, "position": 1280}: resume from there
+    state = loader.state_dict()     # {"epoch": 3, "position": (2560, 2)}: resume from there
 
 Files with a URL (``s3://``, ``gs://``, ``https://``, ``file://``, any fsspec protocol) are
-copied once to a private local cache and read from there afterwards; plain paths are read where
-they are. Each epoch's shuffled list is split across ranks (``files[rank::world_size]``) and,
-inside a rank, across the DataLoader's workers in chunks of one batch, worker ``w`` taking chunks
-``w, w + W, w + 2W, ...``: the DataLoader takes batches from its workers in that same order, so
-the first ``n`` batches of an epoch are always the first ``n · batch_size`` files of the rank.
-That is what makes a position (files consumed so far) enough to resume exactly.
+copied once to a cache only their user can open (``$GPUFLEET_HOME/cache/data/<hash>/<file>``:
+folders 0700, files 0600; a cache folder that others could read or replace is refused) and read
+from there afterwards; plain paths are read where they are.
+
+Each epoch's shuffled list (its order, the same on every rank) is split across ranks
+(``order[rank::world_size]``) and, inside a rank, across the DataLoader's workers in chunks of
+one batch, worker ``w`` taking chunks ``w, w + W, w + 2W, ...``: the DataLoader takes batches
+from its workers in that same order, so the first ``n`` batches of a rank are the first
+``n · batch_size`` of its files, and after ``n`` batches on every rank the ranks together have
+read exactly the first ``n · batch_size · world_size`` files of the order. That count, the
+position, is what a loader's state holds, beside the number of ranks that read them: it means
+the same on every rank (a checkpoint keeps one copy of it) and on any number of ranks. A loader
+restored from it splits the rest of the order, ``order[position:]``, across the ranks it has
+now, so an epoch resumed on another number of ranks still reads every file exactly once (with
+``pad=True``, the padding that evens out the ranks repeats a few).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob as globlib
 import hashlib
 import multiprocessing
 import os
 import random
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,11 +45,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from gpufleet import _environ
-from gpufleet.rundir import ensure_private_dir
+from gpufleet.errors import ConfigError
+from gpufleet.rundir import check_private_dir, ensure_private_dir
 
 __all__ = ["FileDataset", "ResumableLoader", "loader"]
 
-_EPOCH, _START = 0, 1
+# Slots of the array shared with the loader's workers: the epoch; the position this pass of
+# the epoch starts at; the position reached, which the loader advances batch by batch.
+_EPOCH, _START, _READ = 0, 1, 2
 
 
 class FileDataset(IterableDataset):
@@ -49,7 +63,8 @@ class FileDataset(IterableDataset):
     pad:        repeat files so every rank gets the same count (DDP needs equal batch counts);
                 False splits exactly, and ranks may then differ by one file
     chunk_size: files per worker turn; `loader()` sets it to the batch size
-    cache_dir:  where remote files are copied (default ``$GPUFLEET_HOME/cache/data``)
+    cache_dir:  where remote files are copied (default ``$GPUFLEET_HOME/cache/data``); a
+                folder of yours that others can neither read nor write
     """
 
     def __init__(
@@ -72,8 +87,9 @@ class FileDataset(IterableDataset):
         self.pad = pad
         self.chunk_size = chunk_size
         self.cache_dir = Path(cache_dir) if cache_dir else _environ.gpufleet_home() / "cache" / "data"
-        # Shared with the loader's worker processes, also persistent ones: [epoch, start].
-        self._shared = multiprocessing.get_context().RawArray("q", 2)
+        self._cache_checked = False
+        # Shared with the loader's worker processes, also persistent ones: [epoch, start, read].
+        self._shared = multiprocessing.get_context().RawArray("q", 3)
 
     @property
     def epoch(self) -> int:
@@ -81,28 +97,39 @@ class FileDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning: a new shuffle, the same on every rank."""
-        self._shared[_EPOCH], self._shared[_START] = epoch, 0
+        self.resume(epoch, 0)
 
     def resume(self, epoch: int, position: int) -> None:
-        """Continue epoch ``epoch`` after the first ``position`` files of this rank."""
-        self._shared[_EPOCH], self._shared[_START] = epoch, position
+        """Continue epoch ``epoch`` after the first ``position`` files of its order, read by all
+        ranks together; the rest is split across the ranks there are now."""
+        if not (_count(position) and position <= len(self.files)):
+            raise ConfigError(
+                f"position={position!r} (files of the epoch already read) must be a whole number "
+                f"from 0 to {len(self.files)}, the files of this data set; a state saved with "
+                "another list of files does not fit it: restore it into a FileDataset of the "
+                "same files"
+            )
+        self._shared[_EPOCH], self._shared[_START], self._shared[_READ] = epoch, position, position
 
-    def rank_files(self, rank: int | None = None, world_size: int | None = None) -> list[str]:
-        """This epoch's files of one rank, in the order they are read."""
-        rank = _environ.rank() if rank is None else rank
-        world_size = _environ.world_size() if world_size is None else world_size
+    def epoch_files(self) -> list[str]:
+        """This epoch's files in the order the ranks read them together (module docstring)."""
         order = list(self.files)
         if self.shuffle:
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-        if self.pad and len(order) % world_size:
-            order += order[: world_size - len(order) % world_size]
-        return order[rank::world_size]
+        return order
+
+    def rank_files(self, rank: int | None = None, world_size: int | None = None) -> list[str]:
+        """The files one rank reads in this pass of the epoch (the rest of it after a resume),
+        in the order it reads them."""
+        rank = _environ.rank() if rank is None else rank
+        world_size = _environ.world_size() if world_size is None else world_size
+        return _share(self.epoch_files(), self._shared[_START], rank, world_size, self.pad)
 
     def __len__(self) -> int:
         return len(self.rank_files())
 
     def __iter__(self) -> Iterator[Any]:
-        remaining = self.rank_files()[self._shared[_START]:]
+        remaining = self.rank_files()
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         size = self.chunk_size
@@ -115,40 +142,113 @@ class FileDataset(IterableDataset):
         """The local path of ``source``, copying it into the cache the first time."""
         if "://" not in source:
             return source
-        target = self.cache_dir / hashlib.sha256(source.encode()).hexdigest()[:24] / _basename(source)
+        if not self._cache_checked:  # once per process; each file's own folder at every read
+            ensure_private_dir(self.cache_dir)  # and its missing parents, each 0700
+            _check_cache_folder(self.cache_dir)
+            self._cache_checked = True
+        folder = self.cache_dir / hashlib.sha256(source.encode()).hexdigest()[:24]
+        if not folder.exists():
+            with contextlib.suppress(FileExistsError):  # made meanwhile by another rank: checked
+                folder.mkdir(mode=0o700)
+        _check_cache_folder(folder)
+        target = folder / _basename(source)
         if not target.exists():
             _download(source, target)
         return str(target)
 
 
-class ResumableLoader:
-    """A DataLoader over a FileDataset that knows how many files of the epoch it has yielded.
+def _share(order: Sequence, start: int, rank: int, world_size: int, pad: bool) -> list:
+    """One rank's part of ``order[start:]``. Padding, when asked for, comes from the start of
+    the epoch's order, so that an epoch never resumed is split as it always was."""
+    rest = list(order[start:])
+    if pad and len(rest) % world_size:
+        rest += [order[i % len(order)] for i in range(world_size - len(rest) % world_size)]
+    return rest[rank::world_size]
 
-    Batch ``n`` of an epoch is chunk ``n`` of the rank's files (see the module docstring), so
-    the position after ``n`` batches is ``start + n · batch_size``, capped at the rank's count.
+
+class ResumableLoader:
+    """A DataLoader over a FileDataset that knows how many files of the epoch have been read.
+
+    After ``n`` batches of a pass that started at position ``start``, the ranks together have
+    read the first ``start + n · batch_size · world_size`` files of the epoch's order (see the
+    module docstring), as many as there are at most. ``state_dict()`` is that position and the
+    number of ranks: ``{"epoch": 3, "position": (2560, 2)}``, the same on every rank, and it
+    restores on any number of ranks.
     """
 
     def __init__(self, dataset: FileDataset, loader: DataLoader):
         self.dataset = dataset
         self.loader = loader
-        self.position = 0
 
     def __iter__(self):
-        self.position = self.dataset._shared[_START]
-        total = len(self.dataset.rank_files())
-        for batch in self.loader:
-            self.position = min(self.position + self.dataset.chunk_size, total)
+        shared = self.dataset._shared
+        start, total = shared[_START], len(self.dataset.files)
+        per_batch = self.dataset.chunk_size * _environ.world_size()
+        shared[_READ] = start
+        for n, batch in enumerate(self.loader, 1):
+            shared[_READ] = min(start + n * per_batch, total)
             yield batch
+        # This rank's part is read. With pad=False a rank may have one batch fewer than the
+        # others, and n alone would leave it short of the end.
+        shared[_READ] = total
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.dataset.epoch, "position": self.position}
+        """``{"epoch": e, "position": (files of epoch e read by all ranks, number of ranks)}``."""
+        return {"epoch": self.dataset.epoch,
+                "position": (self.dataset._shared[_READ], _environ.world_size())}
 
     def load_state_dict(self, state: dict) -> None:
-        self.dataset.resume(state["epoch"], state["position"])
-        self.position = state["position"]
+        """Resume where ``state`` was saved, on this number of ranks or another."""
+        epoch, position = _parse_state(state)
+        if isinstance(position, int):
+            position = self._from_rank_position(state, position)
+        else:
+            position = position[0]
+        self.dataset.resume(epoch, position)
+
+    def _from_rank_position(self, state: dict, position: int) -> int:
+        """The epoch's position from a state of earlier versions, which held only this rank's
+        own count of files and not the number of ranks: exact when restored on as many ranks
+        as saved it, which cannot be checked, hence the warning."""
+        rank, world_size = _environ.rank(), _environ.world_size()
+        total = len(self.dataset.files)
+        count = len(_share(range(total), 0, rank, world_size, self.dataset.pad))
+        if position > count:
+            raise ConfigError(
+                f"loader state {state!r} holds position {position} of one rank, but rank {rank} "
+                f"of {world_size} has only {count} files an epoch: it was saved by another number "
+                "of ranks; restore it with as many ranks as saved it"
+            )
+        warnings.warn(
+            f"loader state {state!r} holds one rank's own position, without the number of ranks "
+            f"(the format of earlier gpufleet versions); it is read as saved by {world_size} "
+            "ranks, as now, which resumes exactly only if it was: restore it with as many ranks "
+            "as saved it. Saved again, the state holds the number of ranks and restores on any",
+            stacklevel=3,
+        )
+        return min(position * world_size, total)
+
+
+def _parse_state(state: Any) -> tuple[int, int | tuple[int, int]]:
+    """(epoch, position): an int for a state of earlier versions, else (files, world_size)."""
+    epoch = state.get("epoch") if isinstance(state, dict) else None
+    position = state.get("position") if isinstance(state, dict) else None
+    if isinstance(position, list):  # a state that went through JSON or YAML
+        position = tuple(position)
+    pair = isinstance(position, tuple) and len(position) == 2 and all(map(_count, position))
+    if _count(epoch) and (_count(position) or (pair and position[1] > 0)):
+        return epoch, position
+    raise ConfigError(
+        f"loader state {state!r} is not one that ResumableLoader.state_dict() returns: "
+        '{"epoch": e, "position": (files read, number of ranks)}; pass that dict unchanged'
+    )
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def loader(
@@ -164,6 +264,11 @@ def loader(
     """A DataLoader with GPU-friendly defaults: several workers (cores ÷ local ranks, at most
     8), 4 batches prefetched per worker, pinned memory on GPUs, workers kept across epochs.
     Warns when ranks use different worker counts (their batches then interleave differently)."""
+    if kwargs.get("in_order") is False:
+        raise ConfigError(
+            "in_order=False lets batches arrive in any order, so a saved position would skip or "
+            "repeat files; leave in_order at its default (True)"
+        )
     if num_workers is None:
         num_workers = min(8, max(1, (os.cpu_count() or 2) // _environ.local_world_size() - 1))
     _warn_if_ranks_disagree(num_workers)
@@ -209,16 +314,32 @@ def _expand(files: str | Sequence[str]) -> list[str]:
 
 
 def _download(source: str, target: Path) -> None:
-    """Copy to a temp file beside the target, then rename: a reader never sees half a file."""
+    """Copy to a temp file beside the target, then rename: a reader never sees half a file.
+    mkstemp makes the file 0600 whatever the umask, so the copy is private from the start."""
     import fsspec
 
-    ensure_private_dir(target.parent.parent)
-    target.parent.mkdir(mode=0o700, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
-    with fsspec.open(source, "rb") as src, open(tmp, "wb") as dst:
-        while chunk := src.read(8 * 2**20):
-            dst.write(chunk)
-    os.replace(tmp, target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as dst, fsspec.open(source, "rb") as src:
+            while chunk := src.read(8 * 2**20):
+                dst.write(chunk)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _check_cache_folder(folder: Path) -> None:
+    """Refuse a cache folder that is not a real folder of this user closed to others: whoever
+    can read it sees the data, whoever can write it (or placed a link) chooses what is read."""
+    try:
+        check_private_dir(folder)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"FileDataset's cache of remote files: {exc} (or remove it: gpufleet copies the files "
+            "again; or pass cache_dir= a folder of your own)"
+        ) from None
 
 
 def _basename(source: str) -> str:
