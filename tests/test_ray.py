@@ -12,6 +12,7 @@ so that gpufleet starts a local Ray instance of its own, which must end with the
 from __future__ import annotations
 
 import _thread
+import contextlib
 import importlib
 import json
 import os
@@ -58,15 +59,17 @@ def cluster():
         env.setenv("RAY_AUTH_MODE", "disabled")
         env.setenv("RAY_TMPDIR", folder)
         env.delenv("RAY_ADDRESS", raising=False)
-        started = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
-        })
+        with pytest_handlers_kept():
+            started = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 1, "num_gpus": 0, "include_dashboard": False,
+            })
         started.nodes_tmp = os.path.join(folder, "tmp")
         os.mkdir(started.nodes_tmp)
         try:
             for _ in range(NODES):
                 add_gpu_node(started)
-            ray.init(address=started.address, logging_level="WARNING", log_to_driver=False)
+            with pytest_handlers_kept():
+                ray.init(address=started.address, logging_level="WARNING", log_to_driver=False)
             yield started
         finally:
             ray.shutdown()
@@ -74,10 +77,24 @@ def cluster():
             shutil.rmtree(folder, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def pytest_handlers_kept():
+    """Each node made here and ray.init install a SIGTERM handler in the test process that
+    outlives the module (ray.init's raises SystemExit): pytest's own is put back at once."""
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 def add_gpu_node(cluster):
-    return cluster.add_node(num_cpus=GPUS_PER_NODE, num_gpus=GPUS_PER_NODE,
-                            resources={"accelerator_type:H100": 1},
-                            env_vars={"TMPDIR": cluster.nodes_tmp})
+    with pytest_handlers_kept():
+        return cluster.add_node(num_cpus=GPUS_PER_NODE, num_gpus=GPUS_PER_NODE,
+                                resources={"accelerator_type:H100": 1},
+                                env_vars={"TMPDIR": cluster.nodes_tmp})
 
 
 @pytest.fixture(autouse=True)
@@ -381,6 +398,47 @@ def test_without_an_address_a_local_ray_instance_serves_the_call_and_ends_with_t
     assert "[0, 1]" in result.stdout
     assert "2 ranks on 1 node of the Ray cluster" in result.stderr
     # and every process of that instance is gone with the script (the leftover check)
+
+
+HANDLERS_SCRIPT = """
+import signal
+import sys
+
+from gpufleet import distributed, runtime
+
+
+def on_sigterm(signum, frame):
+    print("the script's own SIGTERM handler", flush=True)
+
+
+def on_sigint(signum, frame):
+    print("the script's own SIGINT handler", flush=True)
+
+
+signal.signal(signal.SIGTERM, on_sigterm)
+signal.signal(signal.SIGINT, on_sigint)
+
+
+def rank():
+    return runtime.get_global_rank()
+
+
+fn = distributed(gpus=2, remote=True, ray_address=sys.argv[1], runs_dir=sys.argv[2],
+                 timeout=90)(rank)
+print("RESULT", fn.distributed(), flush=True)
+now = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+print("HANDLERS", "KEPT" if now == (on_sigterm, on_sigint) else f"CHANGED: {now}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_remote_call_leaves_the_callers_signal_handlers_as_they_were(cluster, run_script,
+                                                                      tmp_path):
+    result = run_script(HANDLERS_SCRIPT, cluster.address, tmp_path / "runs", timeout=90,
+                        env=script_env(tmp_path))
+    assert result.returncode == 0, result.explain()
+    assert "RESULT [0, 1]" in result.stdout, result.explain()
+    assert "HANDLERS KEPT" in result.stdout, result.explain()
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+import time
+from collections.abc import Container
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+SWEEP_POLL_SECONDS = 0.05
+KILL_WAIT_SECONDS = 2.0  # for SIGKILLed processes to vanish (one in the kernel's D state may not)
 
 
 def die_with_parent(sig: signal.Signals, expected_parent: int | None) -> None:
@@ -21,6 +27,108 @@ def die_with_parent(sig: signal.Signals, expected_parent: int | None) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if expected_parent is not None and os.getppid() != expected_parent:
         os.kill(os.getpid(), sig)
+
+
+def adopt_orphans() -> bool:
+    """Make this process the child subreaper of everything started below it: a descendant
+    whose parent dies (a daemon that forked twice, a rank's helper in a session of its own)
+    is re-parented here rather than to init, so it stays in this process's tree for
+    ``end_tree``. True when Linux accepted it."""
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def reap_adopted(spare: Container[int]) -> None:
+    """Collect the exit status of every child of this process that ended, but ``spare``:
+    an adopted orphan is nobody else's to wait for, and would stay a zombie."""
+    while True:
+        try:
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if ended is None or ended.si_pid in spare:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(ended.si_pid, os.WNOHANG)
+
+
+def end_tree(root: int, grace: float, spare: Container[int] = ()) -> list[int]:
+    """End every descendant of ``root`` but ``spare``: SIGTERM, then SIGKILL for those
+    still running after ``grace`` seconds; descendants that appear meanwhile (a process
+    forking as it is stopped) get the same. Children of this process are reaped. Returns
+    the pids that could not be ended (empty where there is no /proc)."""
+    deadline = time.monotonic() + grace
+    asked: set[int] = set()
+    while True:
+        table = _process_table()
+        live = [pid for pid in _descendants(root, table)
+                if table[pid][1] != "Z" and pid not in spare]
+        if root == os.getpid():
+            reap_adopted(spare)
+        now = time.monotonic()
+        if not live or now > deadline + KILL_WAIT_SECONDS:
+            return live
+        sig = signal.SIGKILL if now > deadline else signal.SIGTERM
+        for pid in live:
+            if sig == signal.SIGKILL or pid not in asked:
+                _signal_child(pid, sig, table[pid][0])
+                asked.add(pid)
+        time.sleep(SWEEP_POLL_SECONDS)
+
+
+def _signal_child(pid: int, sig: signal.Signals, parent: int) -> None:
+    """Signal ``pid`` only while it is still the child of ``parent`` seen a moment ago: a
+    pid freed and reused meanwhile belongs to someone else's process."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfd here (Linux < 5.3): a plain kill
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+        return
+    try:
+        now = _stat(pid)
+        if now is not None and now[0] == parent:
+            signal.pidfd_send_signal(handle, sig)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _descendants(root: int, table: dict[int, tuple[int, str]]) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process this one can see in /proc."""
+    table = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit() and (stat := _stat(int(name))) is not None:
+                table[int(name)] = stat
+    return table
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:  # gone
+        return None
+    state, parent = data[data.rindex(b")") + 2:].split()[:2]  # the name may hold spaces
+    return int(parent), state.decode()
 
 
 def alive(pid: int | None) -> bool:
@@ -44,7 +152,11 @@ def kill_groups(pids) -> None:
 
 
 def kill_group(pgid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
-    """Signal a whole process group; False when nothing of it is left."""
+    """Signal a whole process group; False when nothing of it is left. Never this process's
+    own group: a pid read as 0 (which ``killpg`` takes for the caller's own group), 1, a
+    negative one, or the caller's group id from a damaged pid file is refused."""
+    if pgid <= 1 or pgid == os.getpgrp():
+        return False
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:

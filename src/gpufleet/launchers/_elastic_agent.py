@@ -2,7 +2,9 @@
 
 It runs torch.distributed.elastic's agent, as torchrun does, with gpufleet's worker as the
 function entry point forked from a template process (``_start_template``), and writes
-``agent.json``: the state and every failed rank's exit code.
+``agent.json``: the state and every failed rank's exit code. It is the child subreaper of
+everything below it, so that what the ranks start in sessions of their own is still its
+descendant when the run ends, and ended then (docs/design.md, "Nothing left behind").
 
 The rendezvous is elastic's static TCP rendezvous with one change: its store, which the ranks
 also use as MASTER_PORT, listens on 127.0.0.1 only, on a port the kernel picks while binding
@@ -17,6 +19,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -26,6 +30,10 @@ from gpufleet.rundir import RunDir, rank_pids
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
+# For what the ranks left running outside their process groups (daemons) to end on SIGTERM;
+# with the ranks' own stop it fits in the caller's grace before it kills this process.
+DAEMON_GRACE_SECONDS = 2.0
+REAP_EVERY_SECONDS = 1.0
 RENDEZVOUS_BACKEND = "gpufleet-loopback"
 TEMPLATE_PRELOAD = ["gpufleet.launchers._template", "torch", "torch.distributed", "gpufleet._worker"]
 LOOPBACK = "127.0.0.1"
@@ -39,25 +47,48 @@ def main(argv: list[str]) -> None:
     os.environ[_environ.PARENT_PID] = str(os.getpid())  # workers die with this process
     # Everything elastic writes into the run folder is private; ranks get the caller's umask back.
     os.environ[_environ.UMASK] = f"{os.umask(0o077):o}"
-    _start_template()
-    report = _launch(run, spec["nprocs"])
+    # The ranks' orphans come here rather than to init (_end_daemons): the flag belongs on
+    # this process, the ancestor of every rank that outlives them all (the template dies with
+    # it); children do not inherit it.
+    adopting = _process.adopt_orphans()
+    own = _start_template()
+    if adopting:
+        _start_reaper(own)
+    report = _launch(run, spec["nprocs"], own)
     write_private(run.agent_report, json.dumps(report).encode())
     sys.exit(0 if report["state"] == "succeeded" else 1)
 
 
-def _start_template() -> None:
+def _start_template() -> set[int]:
     """Start the process the ranks are forked from (multiprocessing's forkserver) now, so
     that it imports torch while this process imports elastic: the ranks start with torch
     imported, in milliseconds. It never touches CUDA, so forking from it is safe, and it
-    exits when this process does."""
+    exits when this process does. Returns this process's own children: the template and
+    multiprocessing's resource tracker, which the ranks share (it ignores SIGTERM and ends
+    when this process does, once it has freed what the ranks left registered)."""
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     multiprocessing.set_forkserver_preload(TEMPLATE_PRELOAD)
     forkserver.ensure_running()
+    pids = (getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None))
+    return {pid for pid in pids if pid is not None}
 
 
-def _launch(run: RunDir, nprocs: int) -> dict:
+def _start_reaper(own: set[int]) -> None:
+    """Orphans adopted while the run goes on (a rank's short-lived helper that forked
+    twice) are reaped as they end, rather than kept as zombies until the run's end."""
+
+    def reap() -> None:
+        while True:
+            time.sleep(REAP_EVERY_SECONDS)
+            _process.reap_adopted(own)
+
+    threading.Thread(target=reap, name="gpufleet-reaper", daemon=True).start()
+
+
+def _launch(run: RunDir, nprocs: int, own: set[int]) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -76,7 +107,10 @@ def _launch(run: RunDir, nprocs: int) -> dict:
     except Exception:
         return {"state": "error", "error": traceback.format_exc()}
     finally:
+        # bounded in time; a second SIGTERM (the caller dying meanwhile) must not cut it short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _end_rank_groups(run, nprocs)
+        _end_daemons(own)
     return {"state": "succeeded"}
 
 
@@ -84,6 +118,16 @@ def _end_rank_groups(run: RunDir, nprocs: int) -> None:
     """Elastic stops a rank it forked by its pid alone; what the rank started (loader
     workers, compilers, user subprocesses) shares the rank's process group and ends here."""
     _process.kill_groups(rank_pids(run, nprocs))
+
+
+def _end_daemons(own: set[int]) -> None:
+    """What the ranks started in a session of their own (a helper with
+    start_new_session=True, a daemon that forked twice) is outside their groups; as this
+    process is their subreaper, it is still below it: SIGTERM, a short grace, SIGKILL."""
+    left = _process.end_tree(os.getpid(), DAEMON_GRACE_SECONDS, spare=own)
+    if left:
+        print(f"gpufleet: processes the ranks started did not end after SIGKILL: {left}",
+              file=sys.stderr, flush=True)
 
 
 def _config(run: RunDir, nprocs: int):

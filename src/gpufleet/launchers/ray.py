@@ -11,11 +11,14 @@ supervisor expects an agent process. docs/design.md ("Cluster launcher (Ray)") h
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import pickle
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +127,8 @@ def connect(address: str | None):
     if wanted is None:
         options["include_dashboard"] = False  # seconds and memory that a local run never uses
     try:
-        ray.init(**options)
+        with _signal_handlers_kept():
+            ray.init(**options)
         _connected_with = wanted
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = f"connect to the Ray cluster at {wanted!r}" if wanted else "start a local Ray instance"
@@ -133,6 +137,25 @@ def connect(address: str | None):
             "head node prints the address)"
         ) from exc
     return ray
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """ray.init replaces the SIGTERM handler of the process that connects with one that
+    raises SystemExit, and leaves it there after ray.shutdown: a SIGTERM between calls would
+    then end whatever the caller runs (a notebook cell, a local call) with SystemExit rather
+    than as the caller chose. The caller's handlers are put back. Only the main thread has
+    handlers to keep (Ray sets none elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    kept = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
 
 
 def place(options: RunOptions) -> ClusterPlacement:
