@@ -1,9 +1,12 @@
 """examples/retinanet_ddp.py: RetinaNet trained from scratch with DDP, and its mAP.
 
 The example's small mode runs end to end on 2 gloo CPU processes: the shapes data set is drawn
-to disk, read back through gpufleet.data and the COCO JSON, trained, evaluated after every
-epoch; the mAP must rise. The numpy mAP that the example falls back to where no COCO backend is
-installed (the GPU machine) must give pycocotools' numbers.
+to disk, read back through gpufleet.data and the COCO JSON, trained and evaluated after every
+epoch. What that size shows reliably is checked: the training loss falls, and every epoch's
+evaluation gives a finite mAP in [0, 1], printed by rank 0 and returned alike by every rank.
+Whether mAP rises in 5 CPU epochs is chance (from one run to the next it ended anywhere from
+below 0.001 to above 0.4), so it is not asserted. The numpy mAP that the example falls back to
+where no COCO backend is installed (the GPU machine) must give pycocotools' numbers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import re
 
 import pytest
@@ -32,26 +36,30 @@ def load_example():
     return module
 
 
-@pytest.mark.timeout(300)
-def test_retinanet_small_trains_with_ddp_and_map_rises(run_script, tmp_path):
-    """The docstring's `python examples/retinanet_ddp.py --small` (about 1-2 min on 2 cores)."""
+@pytest.mark.timeout(600)
+def test_retinanet_small_trains_with_ddp_and_evaluates_map_every_epoch(run_script, tmp_path):
+    """The docstring's `python examples/retinanet_ddp.py --small`: about 1-2 min on 2 idle
+    cores, above 5 min on 2 cores shared with other test runs (the limit is for a hang)."""
     out = tmp_path / "out"
     env = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet-home"))
-    result = run_script(EXAMPLE, "--small", "--gpus", "2", "--out", out, env=env, timeout=270)
+    result = run_script(EXAMPLE, "--small", "--gpus", "2", "--out", out, env=env, timeout=540)
 
     assert result.returncode == 0, result.explain()
-    logged = [float(m) for m in re.findall(r"^epoch \d+/\d+ .* mAP ([\d.]+) ",
-                                           "\n".join(rank_lines(result.stdout, 0)), flags=re.M)]
-    assert len(logged) >= 2, "rank 0 prints the mAP after every epoch:\n" + result.stdout
-    assert logged[-1] > logged[0], f"mAP did not rise: {logged}"
+    logged = re.findall(r"^epoch \d+/\d+ .* mAP ([\d.]+) ", "\n".join(rank_lines(result.stdout, 0)),
+                        flags=re.M)
     assert not [line for line in rank_lines(result.stdout, 1) if "mAP" in line], \
         "only rank 0 logs"
 
     results = json.loads((out / "metrics.json").read_text())
     assert [r["rank"] for r in results] == [0, 1], "one result per rank, in rank order"
-    assert results[0]["map"] == results[1]["map"], "every rank returns the same mAP history"
-    assert len(results[0]["losses"]) == len(results[0]["map"]) == len(logged)
-    assert results[0]["losses"][-1] < results[0]["losses"][0], "the training loss fell"
+    history, losses = results[0]["map"], results[0]["losses"]
+    assert len(history) == len(losses) == load_example().SIZES["small"]["epochs"], results[0]
+    assert logged == [f"{m:.4f}" for m in history], "rank 0 prints the mAP after every epoch"
+    assert all(0.0 <= m <= 1.0 for m in history + results[0]["map50"]), f"not an mAP: {results[0]}"
+    assert results[1]["map"] == history and results[1]["losses"] == losses, \
+        "every rank returns the same loss and mAP history"
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], \
+        f"the training loss fell: {losses}"
     assert (out / "retinanet.pt").stat().st_size > 0, "rank 0 saves the trained weights"
     assert list(out.glob("shapes-*/annotations/instances_val2017.json")), "a COCO-style folder"
     assert_all_gone(result.tree, what="processes of the example")
