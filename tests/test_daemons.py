@@ -203,3 +203,23 @@ def test_ending_process_groups_never_signals_the_callers_own_group(start_script)
     """, new_session=True)  # its own group: a failure cannot reach the test process
     result = script.wait(60)
     assert result.returncode == 0 and "still running" in result.stdout, result.explain()
+
+
+def test_the_teardown_never_kills_a_group_whose_leader_took_a_rank_s_old_pid(tmp_path):
+    """Between a rank's exit and the teardown its pid may be given to another process: a
+    group led by a process younger than the rank's pid file is not the rank's."""
+    import subprocess
+
+    from gpufleet.rundir import RunDir, rank_groups
+
+    run = RunDir.create(tmp_path / "runs", "reused")
+    stranger = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        run.pid_file(0).write_text(str(stranger.pid))
+        assert rank_groups(run, 1) == [stranger.pid], "a pid written by its process is its rank's"
+        an_hour_ago = time.time() - 3600
+        os.utime(run.pid_file(0), (an_hour_ago, an_hour_ago))  # written before it started
+        assert rank_groups(run, 1) == []
+    finally:
+        stranger.kill()
+        stranger.wait()

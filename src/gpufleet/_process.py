@@ -131,6 +131,21 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(parent), state.decode()
 
 
+def started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from /proc; None when there is
+    no such process, only its corpse, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
 def alive(pid: int | None) -> bool:
     """True while process ``pid`` exists (None: no process to check, so True)."""
     if pid is None:

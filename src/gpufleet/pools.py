@@ -32,7 +32,7 @@ from gpufleet.hardware import Placement
 from gpufleet.launchers import local
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir, rank_pids
+from gpufleet.rundir import RunDir, rank_groups
 from gpufleet.supervisor import Preemption, Supervisor
 
 CLOSE_GRACE_SECONDS = 10.0
@@ -297,7 +297,7 @@ class _Ranks:
             self.agent.wait(CLOSE_GRACE_SECONDS)
         except subprocess.TimeoutExpired:
             pass
-        _process.kill_groups(rank_pids(self.folder, self.nprocs))
+        _process.kill_groups(rank_groups(self.folder, self.nprocs))
         if self.agent.poll() is None:  # its pid is its own until reaped
             _process.end_tree(self.agent.pid, grace=0)  # what it adopted would go to init
         _process.kill_group(self.agent.pid)

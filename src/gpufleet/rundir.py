@@ -11,11 +11,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpufleet import _environ
+from gpufleet import _environ, _process
 from gpufleet.errors import ConfigError
 
 
 CANCEL_REQUEST = "cancel-requested"  # in a run's folder, beside its attempts
+PID_CLOCK_SLACK_SECONDS = 1.0  # /proc's start times count in clock ticks, file times finer
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,24 @@ def new_id(name: str) -> str:
 def rank_pids(run: "RunDir", nprocs: int) -> list[int | None]:
     """Each rank's pid from its pid file (None where not written yet)."""
     return [read_pid(run.pid_file(rank)) for rank in range(nprocs)]
+
+
+def rank_groups(run: "RunDir", nprocs: int) -> list[int]:
+    """The process groups the ranks lead, for the teardown: a rank's pid only while it still
+    names the process that wrote the pid file. Killed up to seconds after the ranks exited, a
+    pid the system has given to another process since must not take its group with it."""
+    groups = []
+    for rank in range(nprocs):
+        path = run.pid_file(rank)
+        pid = read_pid(path)
+        started = _process.started_at(pid) if pid else None
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            continue
+        if started is not None and started <= written + PID_CLOCK_SLACK_SECONDS:
+            groups.append(pid)
+    return groups
 
 
 def read_pid(path: Path) -> int | None:

@@ -26,7 +26,7 @@ from gpufleet.logs import LogFollower, tail_lines
 from gpufleet.monitor import RunMonitor
 from gpufleet.options import RunOptions
 from gpufleet.payload import free_space_note, load_private, write_private
-from gpufleet.rundir import RunDir, rank_pids
+from gpufleet.rundir import RunDir, rank_groups
 from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
 
 POLL_SECONDS = 0.05
@@ -298,7 +298,7 @@ class Supervisor:
         if getattr(self.agent, "remote", False):
             self.agent.release()
             return
-        _process.kill_groups(rank_pids(self.run, self.world_size))
+        _process.kill_groups(rank_groups(self.run, self.world_size))
         if self.agent.poll() is None:  # its pid is its own until reaped
             _process.end_tree(self.agent.pid, grace=0)  # what it adopted would go to init
         _process.kill_group(self.agent.pid)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gpufleet import _environ, _process, _worker, timings
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir, rank_pids
+from gpufleet.rundir import RunDir, rank_groups
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
@@ -117,7 +117,7 @@ def _launch(run: RunDir, nprocs: int, own: set[int]) -> dict:
 def _end_rank_groups(run: RunDir, nprocs: int) -> None:
     """Elastic stops a rank it forked by its pid alone; what the rank started (loader
     workers, compilers, user subprocesses) shares the rank's process group and ends here."""
-    _process.kill_groups(rank_pids(run, nprocs))
+    _process.kill_groups(rank_groups(run, nprocs))
 
 
 def _end_daemons(own: set[int]) -> None:
