@@ -7,6 +7,7 @@ anything starts; 124 the run timed out; 130 interrupted or cancelled; 143 preemp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -17,11 +18,13 @@ from pathlib import Path
 from gpufleet import _environ, _script, calls, handles, progress, records
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
 from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
+from gpufleet.rundir import runs_root
 
 EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_PREEMPTED = 1, 2, 124, 130, 143
 EXIT_OF_STATUS = {
     records.SUCCEEDED: 0, records.FAILED: EXIT_FAILED, records.LOST: EXIT_FAILED,
     records.TIMEOUT: EXIT_TIMEOUT, records.CANCELLED: EXIT_INTERRUPTED, records.PREEMPTED: EXIT_PREEMPTED,
+    records.DAMAGED: EXIT_FAILED,
 }
 
 
@@ -29,15 +32,36 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.runs_dir = args.runs_dir or args.global_runs_dir
     try:
+        _check_folders(args)
+    except ConfigError as exc:  # another user's folder, or none: bad input, whatever the command
+        print(f"gpufleet: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
         return args.command(args)
     except (ConfigError, PayloadError) as exc:
         print(f"gpufleet: error: {exc}", file=sys.stderr)
         return EXIT_FAILED if getattr(args, "finds_run", False) else EXIT_USAGE
+    except PermissionError as exc:  # what _check_folders could not foresee (ACLs, a file's mode)
+        print(f"gpufleet: error: cannot use {exc.filename or 'a file of the runs folder'}: "
+              f"{exc.strerror}; use a folder of your own (--runs-dir DIR, or GPUFLEET_HOME)",
+              file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `gpufleet runs | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def _check_folders(args) -> None:
+    """The runs folder, and to start a run gpufleet's home (device locks, parameters), must be
+    this user's to use: one line naming the folder, before anything starts."""
+    records.check_folder(runs_root(args.runs_dir), "the runs folder",
+                         write=getattr(args, "writes", False),
+                         fix="give a folder of your own with --runs-dir DIR or GPUFLEET_HOME")
+    if getattr(args, "starts", False):
+        records.check_folder(_environ.gpufleet_home(), "gpufleet's home (GPUFLEET_HOME)",
+                             write=True, fix="set GPUFLEET_HOME to a folder of your own")
 
 
 def cmd_run(args) -> int:
@@ -78,17 +102,19 @@ def cmd_submit(args) -> int:
     env = dict(work.options.pop("env"))
     if work.parameters_file is not None:
         env[_environ.PARAMETERS] = str(work.parameters_file)
-    options = RunOptions.create(**work.options, env={k: str(v) for k, v in env.items()},
-                                runs_dir=args.runs_dir, detach=True)
+    with _naming(work.path):
+        options = RunOptions.create(**work.options, env={k: str(v) for k, v in env.items()},
+                                    runs_dir=args.runs_dir, detach=True)
     fn, fn_args = {
         "script": (_script.run_script, (work.target, work.args)),
         "module": (_script.run_module, (work.target, work.args)),
         "command": (_script.run_command, (work.target,)),
     }[work.entry]
     name = Path(work.target).stem if work.entry == "script" else work.path.stem
-    call = calls.Call.prepare(
-        fn, fn_args, {}, options, name, str(work.path), kind=work.entry, params=work.parameters,
-    )
+    with _naming(work.path):  # e.g. more gpus than this machine has, another gpu_type
+        call = calls.Call.prepare(
+            fn, fn_args, {}, options, name, str(work.path), kind=work.entry, params=work.parameters,
+        )
     extra = {"MLFLOW_EXPERIMENT_NAME": work.experiment} if work.experiment else {}
     run = handles.submit(call, cwd=work.folder, env=extra, argv=[str(work.path)])
     if not args.follow:
@@ -99,19 +125,35 @@ def cmd_submit(args) -> int:
 
 def cmd_runs(args) -> int:
     found = handles.runs(args.runs_dir)[: args.limit]
-    rows = [_summary(r) for r in found]
+    rows = [row for r in found if (row := _row(r)) is not None]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     header = ("ID", "NAME", "STATUS", "GPUS", "DEVICES", "STARTED", "DURATION")
     table = [header] + [
-        (r["id"], r["name"], r["status"], str(r["gpus"]), ",".join(r["devices"]) or "-",
-         _when(r["started"] or r["created"]), _duration(r)) for r in rows
+        (r["id"], r["name"] or "-", r["status"], str(r["gpus"] or "-"),
+         ",".join(r["devices"]) or "-", _when(r["started"] or r["created"]), _duration(r)) for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for r in rows:  # what is wrong with a damaged record, beside the table (not in it)
+        if r["status"] == records.DAMAGED:
+            print(f"gpufleet: {r['error']}", file=sys.stderr)
     return 0
+
+
+def _row(run: handles.Run) -> dict | None:
+    """A run as ``gpufleet runs`` lists it; a damaged record as its id, "damaged" and what is
+    wrong with it; None for a run deleted meanwhile."""
+    try:
+        return _summary(run)
+    except records.DamagedRecordError as exc:
+        return {"id": run.id, "name": None, "status": records.DAMAGED, "gpus": None, "devices": [],
+                "created": None, "started": None, "ended": None, "duration": "-",
+                "error": str(exc), "path": str(run.path)}
+    except FileNotFoundError:  # pruned while listed
+        return None
 
 
 def cmd_logs(args) -> int:
@@ -119,7 +161,7 @@ def cmd_logs(args) -> int:
     if args.follow:
         run.logs(args.rank, follow=True)  # Ctrl-C: 130, and the run goes on
         return 0
-    sys.stdout.write(run.logs(args.rank))
+    run.logs(args.rank, out=sys.stdout)
     return 0
 
 
@@ -269,12 +311,31 @@ def _when(stamp: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp)) if stamp else "-"
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """A ConfigError about a workload's values names its file."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    """``--env KEY=VALUE``, or ``--env KEY``: KEY's value here, which then appears on no
+    command line (``ps`` shows those to every user of the machine)."""
     env = {}
+    here = _environ.snapshot()
     for pair in pairs:
         key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--env {pair!r} must be KEY=VALUE")
+        if not key:
+            raise ConfigError(
+                f"--env {pair!r} names no variable: give --env KEY or --env KEY=VALUE")
+        if not sep:
+            if key not in here:
+                raise ConfigError(f"--env {key}: {key} is not set in this environment; "
+                                  f"export {key} first (or, for a value that is no secret, "
+                                  f"give --env {key}=VALUE)")
+            value = here[key]
         env[key] = value
     return env
 
@@ -304,20 +365,26 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-retries", type=int, default=0, help="start a failed run again up to K times")
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for the whole run (default 3 h)")
     run.add_argument("--name", help="the run's name (default: the script's)")
-    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="an environment variable for every rank (repeatable)")
+    run.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
+                     help="an environment variable for every rank (repeatable); KEY alone passes "
+                     "on its value in this environment, as `docker run -e KEY` does. A VALUE "
+                     "written on the command line is visible to every user of this machine "
+                     "(ps, /proc): give secrets as --env KEY")
     run.add_argument("--detach", action="store_true", help="start in the background, print the run id and return")
     run.add_argument("--json", action="store_true", help="with --detach: print the run as JSON")
     run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
                      help="run a module, as python -m does (the rest of the line is its own)")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
-    run.set_defaults(command=cmd_run)
+    # writes: in the runs folder; starts: a run, in gpufleet's home too (device locks,
+    # parameters). Both folders are checked before the command starts.
+    run.set_defaults(command=cmd_run, writes=True, starts=True)
 
     submit = sub.add_parser("submit", parents=[common], help="start a workload file in the background",
                             description="Start the run a workload file (YAML or JSON) describes; print its id.")
     submit.add_argument("workload", help="the workload file")
     submit.add_argument("--follow", action="store_true", help="stream its logs and exit with its status")
     submit.add_argument("--json", action="store_true", help="print the run as JSON")
-    submit.set_defaults(command=cmd_submit)
+    submit.set_defaults(command=cmd_submit, writes=True, starts=True)
 
     listing = sub.add_parser("runs", parents=[common], help="list runs, newest first")
     listing.add_argument("--json", action="store_true", help="print the records as JSON")
@@ -333,13 +400,13 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--older-than", type=_age, metavar="AGE", help="runs that ended more than AGE ago: 90s, 30m, 12h, 7d")
     prune.add_argument("--keep", type=int, metavar="N", help="keep the N most recently ended runs")
     prune.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
-    prune.set_defaults(command=cmd_prune)
+    prune.set_defaults(command=cmd_prune, writes=True)
 
     for name, fn, what in (("logs", cmd_logs, "print a run's logs"), ("status", cmd_status, "show a run's record"),
                            ("cancel", cmd_cancel, "stop a run (every rank)")):
         one = sub.add_parser(name, parents=[common], help=what, description=what[0].upper() + what[1:] + ".")
         one.add_argument("run", help="run id, or a unique start or 6-digit end of it")
-        one.set_defaults(command=fn, finds_run=True)
+        one.set_defaults(command=fn, finds_run=True, writes=name == "cancel")
         if name == "logs":
             one.add_argument("--rank", type=int, help="only this rank's log, without prefixes")
             one.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,6 +83,8 @@ class Run:
         status = self.wait(timeout)
         if status == records.SUCCEEDED:
             return collect(self._record.last_attempt(), self.record()["gpus"])
+        if status == records.DAMAGED:
+            self.record()  # raises the error that names the file and what is wrong with it
         if self._record.outcome.exists():
             raise load_private(self._record.outcome)
         raise GpufleetError(
@@ -90,20 +94,19 @@ class Run:
 
     def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None) -> str | None:
         """The last attempt's output: every rank's lines prefixed ``[rank N]``, or one rank's
-        own text. ``follow=True`` prints them as they come until the run ends and returns
-        None; Ctrl-C stops following (KeyboardInterrupt), not the run."""
+        own text. With ``out`` they are written there as they are read (in memory a line at
+        a time, whatever the size of the logs) and None is returned. ``follow=True`` prints
+        them as they come until the run ends (to ``out``, default stdout) and returns None;
+        Ctrl-C stops following (KeyboardInterrupt), not the run."""
         world = self._ranks(rank)
         if follow:
             self._follow(rank, world, out or sys.stdout)
             return None
+        text = io.StringIO() if out is None else out
         attempt = self._record.last_attempt()
-        if attempt is None:
-            return ""
-        if rank is not None:
-            return _read_text(attempt.log(rank))
-        return "".join(
-            f"[rank {r}] {line}\n" for r in range(world) for line in _read_text(attempt.log(r)).splitlines()
-        )
+        for r in ([rank] if rank is not None else range(world)) if attempt is not None else ():
+            _copy_log(attempt.log(r), text, None if rank is not None else f"[rank {r}] ")
+        return text.getvalue() if out is None else None
 
     def cancel(self) -> str:
         """Stop every rank and wait for the run to end; its final status ("cancelled", or
@@ -224,8 +227,15 @@ def _root(runs_dir) -> Path | None:
     return Path(runs_dir).expanduser() if runs_dir is not None else None
 
 
-def _read_text(path: Path) -> str:
+def _copy_log(path: Path, out: TextIO, prefix: str | None) -> None:
+    """A rank's log into ``out``, each line after ``prefix`` (None: the text as it is)."""
     try:
-        return path.read_text(errors="replace")
+        log = open(path, errors="replace")
     except FileNotFoundError:
-        return ""
+        return
+    with log:
+        if prefix is None:
+            shutil.copyfileobj(log, out)
+            return
+        for line in log:
+            out.write(f"{prefix}{line.rstrip(chr(10))}\n")

@@ -10,9 +10,12 @@ supervisor died without writing an end ("lost").
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
+import re
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -31,11 +34,22 @@ QUEUED, RUNNING = "queued", "running"
 SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
     "succeeded", "failed", "timeout", "cancelled", "preempted", "lost",
 )
-FINAL = (SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST)
+DAMAGED = "damaged"  # a record.json that cannot be read as a record (cut short, edited)
+# a damaged record's run counts as over: nobody can follow, end or cancel it
+FINAL = (SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST, DAMAGED)
+WRITTEN = (QUEUED, RUNNING, SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED)  # what a record says
+# The format of record.json, written in every record as "schema". A record without the field
+# was written before it existed and has the fields of format 1.
+SCHEMA = 2
 NAMING_SECONDS = 60.0  # for a submitted run's supervisor to start and name itself
 # Space set aside while a run is going, freed for its error and final status: a run that
 # fills its disk (logs, results) can still say how it ended.
 SPARE_BYTES = 2**20
+
+
+class DamagedRecordError(ConfigError):
+    """A ``record.json`` that is not a record this gpufleet can read; says which file and what
+    is wrong with it."""
 
 
 class Record:
@@ -52,8 +66,8 @@ class Record:
         record.path.mkdir(mode=0o700)
         _set_aside(record.spare, SPARE_BYTES)
         record._write({
-            "id": record.id, "name": name, "status": QUEUED, "created": time.time(),
-            "started": None, "ended": None, "attempts": [], "devices": [], "error": None,
+            "schema": SCHEMA, "id": record.id, "name": name, "status": QUEUED,
+            "created": time.time(), "started": None, "ended": None, "attempts": [], "devices": [], "error": None,
             **fields,
         })
         return record
@@ -101,7 +115,29 @@ class Record:
         return RunDir(self.path / attempts[-1]) if attempts else None
 
     def read(self) -> dict:
-        return json.loads(self.file.read_text())
+        """The record, checked field by field: DamagedRecordError naming the file and what is
+        wrong with it (FileNotFoundError: the run's folder was deleted meanwhile)."""
+        try:
+            raw = self.file.read_bytes()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise self._damaged(f"it cannot be read: {exc.strerror or exc}") from None
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, or bytes that are not text
+            what = "it is empty" if not raw.strip() else f"it is not valid JSON ({exc})"
+            raise self._damaged(f"{what}, as if cut short or edited") from None
+        problem = _problem(data)
+        if problem:
+            raise self._damaged(problem)
+        data.setdefault("schema", SCHEMA - 1)
+        return data
+
+    def _damaged(self, problem: str) -> DamagedRecordError:
+        fix = ("upgrade gpufleet" if problem.startswith("it was written by a newer") else
+               "`gpufleet prune` counts its run as ended, or delete the run's folder")
+        return DamagedRecordError(f"damaged run record {self.file}: {problem}; {fix}")
 
     def update(self, **fields) -> dict:
         data = self.read()
@@ -150,11 +186,15 @@ class Record:
         )
 
     def status(self) -> str:
-        """The recorded status, or "lost" when the run never ended and its supervisor is gone."""
-        data = self.read()
-        if data["status"] in FINAL or is_alive(data.get("supervisor"), data["created"]):
-            return data["status"]
-        data = self.read()  # it may have ended just before it exited
+        """The recorded status, "lost" when the run never ended and its supervisor is gone,
+        or "damaged" when its record cannot be read (``read()`` says why)."""
+        try:
+            data = self.read()
+            if data["status"] in FINAL or is_alive(data.get("supervisor"), data["created"]):
+                return data["status"]
+            data = self.read()  # it may have ended just before it exited
+        except DamagedRecordError:
+            return DAMAGED
         return data["status"] if data["status"] in FINAL else LOST
 
     @property
@@ -163,7 +203,71 @@ class Record:
         return self.path / CANCEL_REQUEST
 
     def _write(self, data: dict) -> None:
-        write_private(self.file, json.dumps(data, indent=1).encode())
+        write_private(self.file, json.dumps({**data, "schema": SCHEMA}, indent=1).encode())
+
+
+def _problem(data) -> str | None:
+    """What is wrong with a record's fields (None: nothing), for the fields every reader uses;
+    a field gpufleet does not know is kept and shown as it is."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__}, not a record (a mapping of fields)"
+    schema = data.get("schema", SCHEMA - 1)
+    if not _whole(schema) or schema < 1:
+        return f"its field 'schema' is {_what(schema)}; it must be a record format, 1 to {SCHEMA}"
+    if schema > SCHEMA:
+        return (f"it was written by a newer gpufleet (record format {schema}; this gpufleet "
+                f"reads formats 1 to {SCHEMA})")
+    for name, (check, must) in _FIELDS.items():
+        if name not in data:
+            return f"its field {name!r} is missing"
+        if not check(data[name]):
+            return f"its field {name!r} is {_what(data[name])}; it must be {must}"
+    supervisor = data.get("supervisor")
+    if supervisor is not None and not _is_process(supervisor):
+        return (f"its field 'supervisor' is {_what(supervisor)}; it must be a process "
+                "(pid, start, host)")
+    return None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _time(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_process(value) -> bool:
+    return (isinstance(value, dict) and _whole(value.get("pid"))
+            and isinstance(value.get("host"), str)
+            and (value.get("start") is None or _whole(value.get("start"))))
+
+
+def _what(value) -> str:
+    """A field's value in a message: short, and only its type where it could be long."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else f"a string of {len(value)} characters"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return f"a {type(value).__name__}"
+
+
+# the fields every reader of a record uses: what each must be, and how to tell
+_FIELDS = {
+    "id": (lambda v: isinstance(v, str) and bool(v), "the run's id"),
+    "name": (lambda v: isinstance(v, str), "the run's name"),
+    "status": (lambda v: v in WRITTEN, f"one of {', '.join(WRITTEN)}"),
+    "created": (_time, "a time (seconds since 1970)"),
+    "started": (lambda v: v is None or _time(v), "a time or null"),
+    "ended": (lambda v: v is None or _time(v), "a time or null"),
+    "gpus": (lambda v: _whole(v) and v >= 1, "the number of ranks"),
+    "attempts": (lambda v: isinstance(v, list) and all(
+        isinstance(a, str) and re.fullmatch(r"attempt-\d+", a) for a in v),
+        "a list of attempt folders (attempt-0, attempt-1, ...)"),
+    "devices": (lambda v: isinstance(v, list) and all(isinstance(d, str) for d in v),
+                "a list of device names"),
+    "error": (lambda v: v is None or isinstance(v, str), "a line or null"),
+}
 
 
 def _set_aside(path: Path, size: int) -> None:
@@ -178,10 +282,17 @@ def _set_aside(path: Path, size: int) -> None:
 
 
 def find(run_id: str, runs_dir: Path | None = None) -> Record:
-    """A run by its id, a unique start of it, or its unique 6-digit end."""
+    """A run by its id, a unique start of it, or its unique 6-digit end; its record is read
+    (DamagedRecordError when that fails), so a handle on it can be used."""
+    record = _match(run_id, runs_dir)
+    record.read()
+    return record
+
+
+def _match(run_id: str, runs_dir: Path | None) -> Record:
     root = runs_root(runs_dir)
     exact = root / run_id
-    if run_id and "/" not in run_id and (exact / "record.json").is_file():
+    if run_id and "/" not in run_id and _has_record(exact):
         return Record(exact)
     ids = [r.id for r in all_records(runs_dir)]
     matches = [i for i in ids if i.startswith(run_id)] or [i for i in ids if i.endswith(run_id)]
@@ -196,14 +307,63 @@ def find(run_id: str, runs_dir: Path | None = None) -> Record:
 
 
 def all_records(runs_dir: Path | None = None) -> list[Record]:
-    """Every run under the runs directory, newest first."""
-    root = runs_root(runs_dir)
-    if not root.is_dir():
-        return []
-    found = [Record(p) for p in root.iterdir()
-             if not p.name.startswith(PRUNING) and (p / "record.json").is_file()]
+    """Every run under the runs directory, newest first; a damaged record's too (dated by
+    when its folder last changed), so that it is seen and can be pruned."""
+    found = [Record(p) for p in _folders(runs_root(runs_dir))
+             if not p.name.startswith(PRUNING) and _has_record(p)]
     dated = [(when, r) for r in found if (when := _created(r)) is not None]  # deleted meanwhile
     return [r for _, r in sorted(dated, key=lambda item: item[0], reverse=True)]
+
+
+def _folders(root: Path) -> list[Path]:
+    """What the runs folder holds (nothing before the first run); ConfigError naming it when
+    this user may not read it."""
+    try:
+        return list(root.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        check_folder(root, "the runs folder")
+        raise ConfigError(f"cannot read the runs folder {root}: {exc.strerror or exc}") from None
+
+
+def _has_record(folder: Path) -> bool:
+    try:
+        return (folder / "record.json").is_file()
+    except PermissionError:  # a run folder this user may not look into: listed as damaged
+        return True
+
+
+OWN_FOLDER = "use a folder of your own (--runs-dir DIR, runs_dir=, or GPUFLEET_HOME)"
+
+
+def check_folder(folder: Path, what: str, write: bool = False, fix: str = OWN_FOLDER) -> None:
+    """ConfigError naming ``folder`` unless this user may read it and, with ``write``, create
+    and change what is in it (or create it): said before anything starts, not as a
+    PermissionError halfway."""
+    folder = Path(folder).absolute()
+    steps = [*reversed(folder.parents), folder]
+    for above, step in zip([None, *steps], steps):
+        if not os.path.lexists(step):  # created when needed: its parent must let us
+            if write and above is not None and not os.access(above, os.W_OK | os.X_OK):
+                _refuse(folder, what, above, "is not writable by you", fix)
+            return
+        if not os.path.isdir(step):
+            _refuse(folder, what, step, "is not a folder", fix)
+        need = os.X_OK if step != folder else os.R_OK | os.X_OK | (os.W_OK if write else 0)
+        if not os.access(step, need):
+            _refuse(folder, what, step, "is not open to you", fix)
+
+
+def _refuse(folder: Path, what: str, step: Path, why: str, fix: str) -> None:
+    try:
+        info = step.stat()
+        whose = (f" (owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}; "
+                 f"you are uid {os.getuid()})")
+    except OSError:
+        whose = ""
+    where = "it" if step == folder else str(step)
+    raise ConfigError(f"cannot use {what} {folder}: {where} {why}{whose}; {fix}")
 
 
 PRUNING = ".pruning-"  # a folder being deleted by ``gpufleet prune`` (hidden from listings)
@@ -216,19 +376,11 @@ def prunable(runs_dir: Path | None, older_than: float | None, keep: int | None) 
     long; and what an earlier prune left half deleted. A queued or running run, or a pool
     still starting or serving, is never one of them."""
     root = runs_root(runs_dir)
-    if not root.is_dir():
-        return []
     now = time.time()
-    ended = []
-    for record in all_records(runs_dir):
-        try:
-            if record.status() in FINAL:
-                ended.append((record.read().get("ended") or record.file.stat().st_mtime, record.path))
-        except (OSError, ValueError, KeyError):  # deleted meanwhile, or not a record of ours
-            continue
+    ended = [(when, r.path) for r in all_records(runs_dir) if (when := _ended_at(r)) is not None]
     ended.sort(reverse=True)
     chosen = [path for when, path in ended[keep or 0:] if older_than is None or now - when > older_than]
-    for folder in sorted(root.iterdir()):
+    for folder in sorted(_folders(root)):
         if folder.name.startswith(PRUNING):
             chosen.append(folder)
         elif older_than is not None and _pool_gone(RunDir(folder), now - older_than):
@@ -283,9 +435,32 @@ def _error_line(error: BaseException | None) -> str | None:
 
 
 def _created(record: Record) -> float | None:
+    """When the run was created; for a damaged record, when its folder last changed; None
+    when it was deleted meanwhile."""
     try:
         return record.read()["created"]
-    except (OSError, ValueError, KeyError):
+    except DamagedRecordError:
+        return _changed(record)
+    except OSError:
+        return None
+
+
+def _ended_at(record: Record) -> float | None:
+    """When the run ended; None while it is queued or running. A damaged record's run counts
+    as ended when its folder last changed: nobody can follow it or end it any more."""
+    try:
+        status = record.status()
+        if status == DAMAGED:
+            return _changed(record)
+        return (record.read()["ended"] or record.file.stat().st_mtime) if status in FINAL else None
+    except (OSError, DamagedRecordError):  # deleted, or damaged, meanwhile: left to the next prune
+        return None
+
+
+def _changed(record: Record) -> float | None:
+    try:
+        return record.path.stat().st_mtime
+    except OSError:  # deleted meanwhile
         return None
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
+from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
 from gpufleet.rundir import ensure_private_dir
 
@@ -81,7 +82,8 @@ def load(path: str | os.PathLike) -> Workload:
     workload = Workload(path, folder, entry, target, [str(a) for a in data.get("args", [])])
     workload.options = {k: data[k] for k in ("name", "gpus", "gpu_type", "max_retries", "timeout",
                                              "hang_timeout", "remote") if k in data}
-    workload.options["env"] = dict(data.get("env", {}))
+    workload.options["env"] = {key: str(value) for key, value in data.get("env", {}).items()}
+    _check_values(path, workload.options)
     if "parameters" in data:
         given = _existing(path, folder, "parameters", data["parameters"])
         workload.parameters = _flat(_read_mapping(given, "parameters file"))
@@ -91,6 +93,9 @@ def load(path: str | os.PathLike) -> Workload:
 
 
 def _check_type(path: Path, name: str, value: Any) -> None:
+    if name == "env":
+        _check_env(path, value)
+        return
     ok = {
         "name": isinstance(value, str) and value.strip(),
         "script": isinstance(value, str) and value.strip(),
@@ -100,9 +105,6 @@ def _check_type(path: Path, name: str, value: Any) -> None:
         "args": isinstance(value, list) and all(_word(v) for v in value),
         "gpus": isinstance(value, int) and not isinstance(value, bool),
         "gpu_type": isinstance(value, str),
-        "env": isinstance(value, Mapping) and all(
-            isinstance(k, str) and isinstance(v, (str, int, float)) and not isinstance(v, bool)
-            for k, v in value.items()),
         "parameters": isinstance(value, str) and value.strip(),
         "max_retries": isinstance(value, int) and not isinstance(value, bool),
         "timeout": (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None,
@@ -112,6 +114,39 @@ def _check_type(path: Path, name: str, value: Any) -> None:
     }[name]
     if not ok:
         raise ConfigError(f"{path}: field {name!r} is {value!r}; it must be {FIELDS[name]}")
+
+
+def _check_env(path: Path, env: Any) -> None:
+    """Names the offending variable and the kind of its value, never a value: env holds
+    secrets, and errors land in terminals and logs."""
+    if not isinstance(env, Mapping):
+        raise ConfigError(f"{path}: field 'env' is {_kind(env)}; it must be {FIELDS['env']}")
+    for key, value in env.items():
+        if not isinstance(key, str):
+            raise ConfigError(
+                f"{path}: field 'env': the name {key!r} is {_kind(key)}; names must be strings")
+        if not _word(value):
+            raise ConfigError(
+                f"{path}: field 'env': {key!r} is {_kind(value)}; values must be strings "
+                f"(a number becomes one): quote it, {key}: \"...\""
+            )
+
+
+def _check_values(path: Path, options: dict[str, Any]) -> None:
+    """Each value as ``@distributed`` checks it (gpus at least 1, a timeout above 0, ...),
+    before anything starts; the error names the file and the field."""
+    for name, value in options.items():
+        try:
+            RunOptions.create(**{name: value})
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: field {name!r}: {exc}") from None
+
+
+def _kind(value: Any) -> str:
+    """What a YAML or JSON value is, in the file's own words."""
+    kinds = {bool: "a boolean", type(None): "null", int: "a number", float: "a number",
+             str: "a string", list: "a list", dict: "a mapping"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
 
 
 def _word(value: Any) -> bool:
