@@ -20,6 +20,11 @@ does the end of the gpufleet call. Saves and restores are collective: call them 
 
 The root is a local folder or an fsspec URL (``s3://bucket/run``): remote steps are written to
 a local staging folder and uploaded, the commit record last. See ``_store`` for the layout.
+
+Every file of a step has its digest in the commit record, taken by the background thread of
+the save, each rank hashing a share of the files; restore checks them (``verify=False`` skips
+that). A damaged step is an error on every rank; on a retry of the call (``max_retries``),
+restore goes back to the newest intact step instead and says so in a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +43,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from gpufleet import runtime
-from gpufleet.checkpoint._state import ModelState, RNGState, SafeLoadPlanner, SafeReader, rng_key
-from gpufleet.checkpoint._store import Store, staged_files
+from gpufleet.checkpoint import _digest
+from gpufleet.checkpoint._collective import agree, decided, gather, in_words
+from gpufleet.checkpoint._state import (
+    DamagedCheckpoint,
+    ModelState,
+    RNGState,
+    SafeLoadPlanner,
+    SafeReader,
+    rng_key,
+)
+from gpufleet.checkpoint._store import COMMIT_RECORD, Store, staged_files, step_name
 from gpufleet.errors import ConfigError, GpufleetError
 
 __all__ = ["Checkpointer"]
@@ -95,11 +110,14 @@ class Checkpointer:
         self.wait()
         group = self._process_group()
         stages_here = runtime.get_local_rank() == 0 if self.store.remote else _is_rank0()
-        if stages_here:  # one process per folder: per node for remote roots, else rank 0
-            self.store.clear_staging(step)
-        if _is_rank0():
-            self.store.retract(step)  # an older save of this step no longer counts
-        _barrier(group)
+
+        def prepare() -> None:
+            if stages_here:  # one process per folder: per node for remote roots, else rank 0
+                self.store.clear_staging(step)
+            if _is_rank0():
+                self.store.retract(step)  # an older save of this step no longer counts
+
+        agree(group, step, "preparing its folder", prepare)
         folder = self.store.staging(step)
         record = {
             "step": step,
@@ -144,12 +162,16 @@ class Checkpointer:
 
     @runtime._working()
     def _publish(self, step: int, record: dict, future: Any) -> None:
-        """After DCP has written every rank's files and the metadata: upload (remote roots),
-        then rank 0 writes the commit record. Every rank learns whether each stage worked, so
-        that a failure on one rank is an error on all of them rather than a hang."""
+        """After DCP has written every rank's files and the metadata: digests of every file
+        into the record, upload (remote roots), then rank 0 writes the commit record. Every
+        rank learns whether each stage worked, so that a failure on one rank is an error on
+        all of them rather than a hang."""
         if future is not None:
             future.result()
         group = self._group
+        shares = agree(group, step, "hashing its files", lambda: self._hash_share(step))
+        record["digest_method"] = _digest.method()
+        record["files"] = dict(sorted(item for share in shares for item in share.items()))
 
         def upload() -> None:  # each node's files, by one process of the node
             if runtime.get_local_rank() == 0:
@@ -162,78 +184,161 @@ class Checkpointer:
                 self.store.prune(self.keep)
 
         if self.store.remote:
-            _agree(group, step, "uploading", upload)
-        _agree(group, step, "publishing", commit)  # so every rank's wait() sees it committed
+            agree(group, step, "uploading", upload)
+        agree(group, step, "publishing", commit)  # so every rank's wait() sees it committed
         if self.store.remote and runtime.get_local_rank() == 0:
             self.store.discard_staging(step)
+
+    def _hash_share(self, step: int) -> dict[str, dict]:
+        """Digests of this rank's share of the staged files."""
+        folder = self.store.staging(step)
+        names = staged_files(folder)
+        rank, world = runtime.get_global_rank(), runtime.get_world_size()
+        share = _digest.saved_share(folder, names, rank, world, *self._sharing())
+        return _digest.digests(folder, share)
+
+    def _sharing(self) -> tuple[int, int]:
+        """(this rank's number, how many) among the ranks that see the same copy of a step's
+        files and split them: a node's ranks for a remote root (each node stages and
+        downloads its own copy), every rank for a local one."""
+        if self.store.remote:
+            return runtime.get_local_rank(), runtime.get_local_world_size()
+        return runtime.get_global_rank(), runtime.get_world_size()
 
     # -- restoring ----------------------------------------------------------------------------
 
     @runtime._working()
     def restore(
-        self, target: Any, optimizer: Any = None, *, extra: dict | None = None, step: int | None = None
+        self, target: Any, optimizer: Any = None, *, extra: dict | None = None,
+        step: int | None = None, verify: bool = True,
     ) -> int:
         """Load ``step`` (default: the latest committed one) into the target, in place.
 
         Returns the step loaded, which is the number of steps already done: 0 when there is
         no checkpoint yet, so that ``range(ckpt.restore(...), total)`` resumes or starts.
+
+        Every file is first checked against the digest its commit record holds; ``verify=False``
+        skips that, and a file altered since the commit then loads as if it were the saved
+        one. A damaged step is a GpufleetError on every rank, except on a retry of the call
+        (``max_retries``) when ``step`` is left out: the retry restores the newest intact step
+        instead, with a warning naming the step it skipped and why.
         """
         state, engine = _state_of(target, optimizer, extra)
+        _check_verify(verify)
         self.wait()
         group = self._process_group()
-        # Rank 0 decides which step, so that every rank loads the same one even when file
-        # listings differ between nodes for a moment.
-        choice = [self._choose(step, target, engine) if _is_rank0() else None]
-        if group is not None:
-            dist.broadcast_object_list(choice, src=0, group=group)
-        kind, value = choice[0]
-        if kind == "error":
-            raise ConfigError(value)
-        if value is None:
-            return 0
-        step = value
-        if self.store.remote and runtime.get_local_rank() == 0:
-            self.store.fetch(step)
-        _barrier(group)
-        folder = self.store.fetch(step)
-        try:
-            if engine is not None:
-                engine.load_engine(str(folder / "deepspeed"))
-            reader = SafeReader(folder)
-            _match_checkpoint(state, reader.read_metadata(), folder)
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-        except GpufleetError:
-            raise
-        except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
-            cause = _first_failure(exc)
+        # Rank 0 decides which steps to try, so that every rank loads the same one even when
+        # file listings differ between nodes for a moment.
+        candidates = decided(group, lambda: self._candidates(step))
+        skipped: list[_Damage] = []
+        for i, candidate in enumerate(candidates):
+            try:
+                notes = self._load(candidate, dict(state), target, engine, group, verify)
+            except _Damage as damage:
+                if step is not None or runtime.get_attempt() == 0:
+                    advice = _advice(damage, candidates[i + 1:], step)
+                    raise GpufleetError(advice) from damage.__cause__
+                skipped.append(damage)
+                continue
+            notes += [f"{damage}; this retry restored step {candidate} instead, the newest "
+                      "intact step" for damage in skipped]
+            for note in notes:
+                warnings.warn(note, stacklevel=3)
+            return candidate
+        if skipped:
             raise GpufleetError(
-                f"checkpoint {str(folder)!r} (step {step}) is damaged or unreadable, so it was "
-                f"not loaded: {type(cause).__name__}: {cause}"
-            ) from exc
-        _barrier(group)
-        return step
+                f"no intact checkpoint step is left under {self.store.url!r}: "
+                + "; ".join(map(str, skipped))
+                + ". Move the damaged folders away to start from the beginning"
+            )
+        return 0
 
-    def _choose(self, step: int | None, target: Any, engine: Any) -> tuple[str, Any]:
-        """("step", N or None) or ("error", message): which committed step to load."""
+    def _candidates(self, step: int | None) -> list[int]:
+        """Rank 0: the committed steps to try, in order."""
         steps = self.steps()
         if step is None:
-            if not steps:
-                return ("step", None)
-            step = steps[-1]
-        elif step not in steps:
-            return ("error", f"step={step} has no committed checkpoint under "
-                             f"{self.store.url!r}; committed steps: {steps or 'none'}")
-        record = self.store.record(step)
+            return steps[::-1]
+        if step not in steps:
+            raise ConfigError(f"step={step} has no committed checkpoint under "
+                              f"{self.store.url!r}; committed steps: {steps or 'none'}")
+        return [step]
+
+    def _load(self, step: int, state: dict, target: Any, engine: Any, group: Any,
+              verify: bool) -> list[str]:
+        """Load one step on every rank, or raise the same error (_Damage: the step's fault)
+        on every rank. The warnings to give."""
+        where = self.store.where(step)
+        record = decided(group, lambda: self._record(step, target, engine))
+        folder = self._local_copy(step, group)
+        notes = []
+        if verify and "files" in record:
+            self._verify(where, record, folder, group)
+        elif verify:
+            notes.append(f"checkpoint step folder {where!r} was committed without file digests "
+                         "(by an earlier gpufleet), so it was loaded unchecked")
+        if engine is not None:
+            deepspeed = str(folder / "deepspeed")
+            gather(group, lambda: _reading(where, lambda: engine.load_engine(deepspeed)))
+        reader = SafeReader(folder)
+        gather(group, lambda: _match_checkpoint(state, _reading(where, reader.read_metadata),
+                                                 folder, notes))
+        planner = SafeLoadPlanner()
+        gather(group, lambda: _reading(where, lambda: dcp.load(
+            state, storage_reader=reader, planner=planner, process_group=group)))
+        return notes
+
+    def _record(self, step: int, target: Any, engine: Any) -> dict:
+        """Rank 0: the step's commit record, checked, and whether the target can load it."""
+        where = self.store.where(step)
+        try:
+            record = self.store.record(step)
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
+            raise _Damage(where, f"its commit record {COMMIT_RECORD} cannot be read "
+                                 f"({in_words(exc)})") from exc
+        problem = _digest.record_problem(record)
+        if problem:
+            raise _Damage(where, problem)
         if record.get("deepspeed", False) != (engine is not None):
-            return ("error", f"checkpoint step {step} under {self.store.url!r} was saved by "
-                             f"strategy {record.get('strategy')!r} and cannot be restored into "
-                             f"{_strategy_name(target)!r}: DeepSpeed's files and DCP's differ")
+            raise ConfigError(
+                f"checkpoint step {step} under {self.store.url!r} was saved by strategy "
+                f"{record.get('strategy')!r} and cannot be restored into "
+                f"{_strategy_name(target)!r}: DeepSpeed's files and DCP's differ")
         if engine is not None and record["world_size"] != runtime.get_world_size():
-            return ("error", f"checkpoint step {step} under {self.store.url!r} was saved by "
-                             f"{record['world_size']} ranks and DeepSpeed's partitioned files load "
-                             f"only into as many; run with gpus={record['world_size']} (DDP and "
-                             "FSDP checkpoints load into any number)")
-        return ("step", step)
+            raise ConfigError(
+                f"checkpoint step {step} under {self.store.url!r} was saved by "
+                f"{record['world_size']} ranks and DeepSpeed's partitioned files load only into "
+                f"as many; run with gpus={record['world_size']} (DDP and FSDP checkpoints load "
+                "into any number)")
+        return record
+
+    def _local_copy(self, step: int, group: Any) -> Path:
+        """The step's folder here: for a remote root, downloaded once per node."""
+        if self.store.remote:
+            where = self.store.where(step)
+
+            def fetch() -> None:
+                if runtime.get_local_rank() == 0:
+                    self.store.fetch(step)
+
+            gather(group, lambda: _reading(where, fetch))
+        return self.store.local / step_name(step)
+
+    def _verify(self, where: str, record: dict, folder: Path, group: Any) -> None:
+        """Check the files against their digests, each rank a share of its copy; every rank
+        learns of every difference."""
+        files, piece_bytes = record["files"], record["digest_method"]["piece_bytes"]
+        sizes = {name: entry["bytes"] for name, entry in files.items()}
+        index, hands = self._sharing()
+        share = _digest.deal(list(files), sizes, hands)[index]
+
+        def check() -> list[str]:
+            found = _digest.problems(folder, files, share, piece_bytes)
+            return found + (_digest.unlisted(files, staged_files(folder)) if index == 0 else [])
+
+        found = sorted({problem for share in gather(group, check) for problem in share})
+        if found:
+            raise _Damage(where, "its files are not those it was committed with: "
+                                 + "; ".join(found))
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -307,20 +412,19 @@ def _state_of(target: Any, optimizer: Any, extra: dict | None) -> tuple[dict[str
     return state, engine
 
 
-def _match_checkpoint(state: dict[str, Any], metadata: Any, folder: Any) -> None:
-    """Drop what the checkpoint cannot have (RNG of ranks it did not have); name what is
-    missing instead of failing deep inside DCP."""
+def _match_checkpoint(state: dict[str, Any], metadata: Any, folder: Any, notes: list[str]) -> None:
+    """Drop what the checkpoint cannot have (RNG of ranks it did not have), with a note; name
+    what is missing instead of failing deep inside DCP."""
     saved = set(metadata.state_dict_metadata)
     prefixes = {key.split(".", 1)[0] for key in saved}
     rng = rng_key(runtime.get_global_rank())
     if rng in prefixes:
         state[rng] = RNGState(keep={k.split(".", 1)[1] for k in saved if k.startswith(rng + ".")})
     else:
-        del state[rng]
-        warnings.warn(
+        state.pop(rng, None)
+        notes.append(
             f"checkpoint {str(folder)!r} has no random-generator state for rank "
-            f"{runtime.get_global_rank()} (it was saved with fewer ranks); this rank keeps its own",
-            stacklevel=3,
+            f"{runtime.get_global_rank()} (it was saved with fewer ranks); this rank keeps its own"
         )
     missing = sorted(key for key in state if key not in prefixes)
     if missing:
@@ -332,14 +436,13 @@ def _match_checkpoint(state: dict[str, Any], metadata: Any, folder: Any) -> None
 
 
 def _first_failure(exc: BaseException) -> BaseException:
-    """DCP reports failures per rank inside a CheckpointException; name the first one."""
+    """DCP reports failures per rank inside a CheckpointException, each paired with its
+    frames (a StackSummary, which would print as FrameSummary reprs); the first exception."""
     failures = getattr(exc, "failures", None)
-    return failures[min(failures)] if isinstance(failures, dict) and failures else exc
-
-
-def _barrier(group: Any) -> None:
-    if group is not None:
-        dist.barrier(group=group)
+    if not (isinstance(failures, dict) and failures):
+        return exc
+    first = failures[min(failures)]
+    return first[0] if isinstance(first, tuple) else first
 
 
 def _strategy_name(target: Any) -> str:
@@ -354,18 +457,50 @@ def _is_rank0() -> bool:
     return runtime.get_global_rank() == 0
 
 
-def _agree(group: Any, step: int, stage: str, work) -> None:
-    """Run ``work`` here, then tell every rank whether it worked on every rank; raise if not."""
+# -- restoring on every rank at once -------------------------------------------------------------
+
+
+class _Damage(GpufleetError):
+    """A committed step whose files are not as they were committed: skipped on a retry."""
+
+    def __init__(self, where: str, what: str):
+        super().__init__(where, what)
+        self.where, self.what = where, what
+
+    def __str__(self) -> str:
+        return f"checkpoint step folder {self.where!r} is damaged: {self.what}"
+
+
+def _advice(damage: _Damage, older: list[int], chosen: int | None) -> str:
+    """The error for a damaged step that is not skipped: what to do about it."""
+    moved = f"{damage.where}.damaged"
+    if chosen is not None:
+        return f"{damage}. Nothing was loaded; pass another step= to restore()"
+    if not older:
+        return (f"{damage}. Nothing was loaded, and there is no earlier step: move the damaged "
+                f"folder away (to {moved!r}, say) to start from the beginning")
+    return (f"{damage}. Nothing was loaded. To resume from the step before it, pass "
+            f"step={older[0]} to restore(); or move the damaged folder away (to {moved!r}, say) "
+            "and restore() takes the newest step left. A retry of the call (max_retries=) "
+            "skips damaged steps by itself")
+
+
+def _reading(where: str, work):
+    """Run ``work``, a part of loading the step at ``where``: what goes wrong is the step's
+    damage, unless it is a GpufleetError about the state it is loaded into."""
     try:
-        work()
-        error = None
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    errors = [error]
-    if group is not None:
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-    failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
-    if failed:
-        raise GpufleetError(f"saving step {step} failed while {stage}: {'; '.join(failed)}")
+        return work()
+    except DamagedCheckpoint as exc:
+        raise _Damage(where, str(exc)) from exc
+    except GpufleetError:
+        raise
+    except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
+        cause = _first_failure(exc)
+        raise _Damage(where, in_words(cause)) from cause
+
+
+def _check_verify(verify: Any) -> None:
+    if not isinstance(verify, bool):
+        raise ConfigError(f"verify={verify!r} must be True (check the files against their "
+                          "digests before loading them) or False")
 

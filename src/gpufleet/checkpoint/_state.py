@@ -1,13 +1,14 @@
 """What a checkpoint holds, as DCP state: model and optimizer, RNG of every rank, extras.
 
 Loading goes through ``SafeReader`` and ``SafeLoadPlanner``: the metadata file is unpickled
-through an allow-list of DCP's own classes, and the non-tensor items (RNG state, scheduler and
-loader positions) are read with ``torch.load(weights_only=True)``, so a tampered checkpoint
-cannot run code while it is read.
+through an allow-list of DCP's own classes (and getattr, for members of their enums only), and
+the non-tensor items (RNG state, scheduler and loader positions) are read with
+``torch.load(weights_only=True)``, so a tampered checkpoint cannot run code while it is read.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import random
@@ -22,6 +23,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from gpufleet.errors import GpufleetError
+
+
+class DamagedCheckpoint(GpufleetError):
+    """A file of a checkpoint step is not what a checkpoint holds: cut short, or altered."""
 
 
 class ModelState:
@@ -117,9 +122,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except Exception as exc:
-            raise GpufleetError(
-                f"checkpoint item {fqn!r} is damaged or is not plain data (tensors, numbers, "
-                f"strings, lists, dicts), so it was not loaded: {exc}"
+            raise DamagedCheckpoint(
+                f"its item {fqn!r} is damaged or is not plain data (tensors, numbers, "
+                f"strings, lists, dicts): {exc}"
             ) from exc
         # Hand the base class a copy made from what was just loaded safely.
         safe = io.BytesIO()
@@ -137,12 +142,12 @@ class SafeReader(FileSystemReader):
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-            raise GpufleetError(
-                f"checkpoint metadata {str(path)!r} is damaged or holds objects a checkpoint "
-                f"never holds, so it was not loaded: {exc}"
+            raise DamagedCheckpoint(
+                f"its metadata {str(path)!r} is damaged or holds objects a checkpoint never "
+                f"holds: {exc}"
             ) from exc
         if not isinstance(metadata, Metadata):
-            raise GpufleetError(f"checkpoint metadata {str(path)!r} is not DCP metadata")
+            raise DamagedCheckpoint(f"its metadata {str(path)!r} is not DCP metadata")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -173,15 +178,39 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (
+        if (module, name) == ("builtins", "getattr"):
+            return self._enum_member
+        if not self._allows(module, name):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+        return super().find_class(module, name)
+
+    def _allows(self, module: str, name: str) -> bool:
+        return (
             module in self._MODULES
             or (module, name) in self._OTHER
             or (module == "torch" and (name in self._TORCH or _is_dtype(name)))
         )
-        if not allowed:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-        return super().find_class(module, name)
+
+    def _enum_member(self, owner: Any, name: Any) -> enum.Enum:
+        """The one use of getattr that metadata has: CPython 3.11.0 to 3.11.3 (Debian 12's
+        3.11.2) pickle an enum member as getattr(EnumClass, "NAME"). A member of an allowed
+        enum is all it may fetch: any other attribute could be a function to call."""
+        is_enum = isinstance(owner, enum.EnumMeta)
+        if not (is_enum and self._allows(owner.__module__, owner.__qualname__)
+                and isinstance(name, str) and name in owner.__members__):
+            raise pickle.UnpicklingError(
+                f"getattr({_named(owner)}, {name!r}) is not allowed in checkpoint metadata: "
+                "getattr may only name a member of one of DCP's enums"
+            )
+        return owner[name]
 
 
 def _is_dtype(name: str) -> bool:
     return isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format))
+
+
+def _named(obj: Any) -> str:
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."

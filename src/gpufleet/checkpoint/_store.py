@@ -8,10 +8,13 @@ Layout under a root (a local folder or an fsspec URL):
         gpufleet.json                 the commit record, written last
     step-00000200.partial/      a save in progress, or one that was killed: never read
 
-A step counts only once ``gpufleet.json`` is in it. On a local root the step is written as
+A step counts only once ``gpufleet.json`` is in it; the record also holds the size and digest
+of every other file of the step (see ``_digest``). On a local root the step is written as
 ``step-N.partial``, the record is written (and fsynced) inside it, and the folder is renamed to
 ``step-N``: one atomic rename. On a remote root every file is first written to a local staging
-folder, then uploaded, and the record is uploaded after everything else.
+folder, then uploaded, and the record is uploaded after everything else. Staging folders and
+downloaded copies live under ``$GPUFLEET_HOME/cache/checkpoints/<digest of the URL>``, private
+to the user (folders 0700, files 0600): they hold the weights.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
+from gpufleet.rundir import check_private_dir, ensure_private_dir
 
 COMMIT_RECORD = "gpufleet.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -58,6 +63,12 @@ class Store:
         else:
             self.local = Path(root.removeprefix("file://")).expanduser().absolute()
 
+    def where(self, step: int) -> str:
+        """The step's folder as the user named the root: a path, or a URL."""
+        if self.remote:
+            return f"{self.url.rstrip('/')}/{step_name(step)}"
+        return str(self.local / step_name(step))
+
     # -- reading ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
@@ -83,18 +94,33 @@ class Store:
 
     def fetch(self, step: int) -> Path:
         """A local folder holding ``step`` (downloaded first from a remote root)."""
-        if not self.remote:
-            return self.local / step_name(step)
         target = self.local / step_name(step)
+        if not self.remote:
+            return target
+        self._private_cache()
         cached = target / COMMIT_RECORD
         remote_record = self.fs.cat_file(self._remote(step, COMMIT_RECORD))
-        if not cached.is_file() or cached.read_bytes() != remote_record:  # absent or re-saved
+        fresh = cached.is_file() and cached.read_bytes() == remote_record  # else absent or re-saved
+        if not (fresh and _is_private(target)):  # a copy by an earlier gpufleet may be 0755
             partial = self.local / f"{step_name(step)}.download"
             shutil.rmtree(partial, ignore_errors=True)
             self.fs.get(self._remote(step, ""), str(partial), recursive=True)
+            _make_private(partial)
             shutil.rmtree(target, ignore_errors=True)
             os.replace(partial, target)
         return target
+
+    def _private_cache(self) -> None:
+        """Create the cache folder of a remote root, each level 0700 from $GPUFLEET_HOME
+        down; refuse a level that another user owns or can enter: the copies are weights."""
+        home = _environ.gpufleet_home()
+        ensure_private_dir(home)
+        for folder in (home / "cache", home / "cache" / "checkpoints", self.local):
+            try:
+                folder.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+            check_private_dir(folder)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -103,6 +129,8 @@ class Store:
 
     def clear_staging(self, step: int) -> Path:
         """An empty staging folder for ``step`` (left-overs of a killed save removed)."""
+        if self.remote:
+            self._private_cache()
         path = self.staging(step)
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, mode=0o700, exist_ok=True)
@@ -120,6 +148,7 @@ class Store:
     def upload_files(self, step: int, names: list[str]) -> None:
         """Upload files of a staged step (remote roots; every node its own files)."""
         staged = self.staging(step)
+        _make_private(staged)  # DCP and DeepSpeed write with the default modes
         for name in names:
             target = self._remote(step, name)
             self.fs.makedirs(posixpath.dirname(target), exist_ok=True)  # object stores: a no-op
@@ -128,7 +157,8 @@ class Store:
     def publish(self, step: int, record: dict[str, Any]) -> None:
         """Write the commit record last; from then on the step counts."""
         staged = self.staging(step)
-        _write_synced(staged / COMMIT_RECORD, json.dumps(record, indent=1))
+        mode = 0o600 if self.remote else 0o666  # on a local root: the umask decides, as for DCP
+        _write_synced(staged / COMMIT_RECORD, json.dumps(record, indent=1), mode)
         if self.remote:
             self.fs.put_file(str(staged / COMMIT_RECORD), self._remote(step, COMMIT_RECORD))
             return
@@ -172,8 +202,8 @@ def staged_files(folder: Path) -> list[str]:
     )
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+def _write_synced(path: Path, text: str, mode: int) -> None:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -185,3 +215,20 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_private(top: Path) -> None:
+    """Folders 0700 and files 0600 under ``top`` (a staging folder or a download)."""
+    for folder, _, files in os.walk(top):  # os.walk does not follow links to folders
+        os.chmod(folder, 0o700)
+        for path in (os.path.join(folder, name) for name in files):
+            if not os.path.islink(path):  # chmod would change the link's target
+                os.chmod(path, 0o600)
+
+
+def _is_private(folder: Path) -> bool:
+    try:
+        info = folder.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077
