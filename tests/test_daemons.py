@@ -223,3 +223,32 @@ def test_the_teardown_never_kills_a_group_whose_leader_took_a_rank_s_old_pid(tmp
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_what_a_rank_started_in_its_own_group_ends_when_the_agent_is_killed(runs_dir, pid_folder,
+                                                                           marker):
+    """The agent gone (the OOM killer, say), nothing adopts the ranks' helpers: the caller
+    ends the ranks' process groups, which outlive the ranks themselves."""
+
+    @distributed(gpus=2, runs_dir=runs_dir, logs="none", timeout=60)
+    def helper_then_agent_dies(folder: str, marker: str):
+        import signal
+        import subprocess
+        import sys
+
+        from gpufleet import _environ
+
+        subprocess.Popen([sys.executable, "-c", STUBBORN, f"{folder}/rank{runtime.get_global_rank()}.pid",
+                          marker], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + STARTED_WITHIN_S
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if runtime.get_global_rank() == 0:
+            os.kill(_environ.parent_pid(), signal.SIGKILL)  # the agent, which the ranks die with
+        time.sleep(60)
+
+    with pytest.raises(RunFailedError, match="launcher"):
+        helper_then_agent_dies.distributed(str(pid_folder), marker)
+    assert len(started(pid_folder)) == 2, "each rank started its helper"
+    left = wait_until_gone(marker, GONE_WITHIN_S)
+    assert not left, f"left running:\n{named(left)}"

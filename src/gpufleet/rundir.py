@@ -154,19 +154,21 @@ def rank_pids(run: "RunDir", nprocs: int) -> list[int | None]:
 
 
 def rank_groups(run: "RunDir", nprocs: int) -> list[int]:
-    """The process groups the ranks lead, for the teardown: a rank's pid only while it still
-    names the process that wrote the pid file. Killed up to seconds after the ranks exited, a
-    pid the system has given to another process since must not take its group with it."""
+    """The process groups the ranks led, for the teardown. A group outlives its leader (what
+    the rank started is still in it), and Linux gives no new process the id of a group that
+    has members; but once the group is empty too, the pid may go to another process, which
+    then leads a group of that id: a pid held by a process younger than the pid file is not
+    the rank's, and its group is left alone."""
     groups = []
     for rank in range(nprocs):
         path = run.pid_file(rank)
         pid = read_pid(path)
-        started = _process.started_at(pid) if pid else None
         try:
             written = path.stat().st_mtime
         except OSError:
             continue
-        if started is not None and started <= written + PID_CLOCK_SLACK_SECONDS:
+        started = _process.started_at(pid) if pid else None
+        if pid and (started is None or started <= written + PID_CLOCK_SLACK_SECONDS):
             groups.append(pid)
     return groups
 
