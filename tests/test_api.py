@@ -3,6 +3,7 @@ starts, so these tests are fast."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import subprocess
@@ -145,8 +146,9 @@ class _Scaled:
         (_async_generator_fn, ["async def", "asyncio.run"]),
         (_generator_fn, ["generator", "return a list"]),
         (_Scaled(), ["async def", "asyncio.run"]),  # an instance whose __call__ is async
+        (functools.partial(_coroutine_fn), ["async def", "asyncio.run"]),
     ],
-    ids=["async def", "async generator", "generator", "async __call__"],
+    ids=["async def", "async generator", "generator", "async __call__", "partial of async"],
 )
 def test_functions_no_rank_could_run_are_refused_at_decoration(target, words, runs_dir,
                                                                no_leftover_processes):
@@ -161,13 +163,14 @@ def test_a_callable_instance_runs_on_every_rank_with_its_state(runs_dir):
     class Trainer:
         def __init__(self, lr):
             self.lr = lr
+            self.options = {"lr": lr}  # its own state: it must not hide the function's methods
 
         def __call__(self, epochs):
             return (runtime.get_global_rank(), self.lr * epochs)
 
     trainer = distributed(gpus=2, runs_dir=runs_dir, logs="none")(Trainer(0.5))
     assert trainer(4) == (0, 2.0)  # a direct call runs here
-    assert trainer.distributed(4) == [(0, 2.0), (1, 2.0)]
+    assert trainer.options(logs="none").distributed(4) == [(0, 2.0), (1, 2.0)]
     assert "Trainer" in repr(trainer) and run_folders(runs_dir)[0].parent.name.startswith("Trainer-")
 
 

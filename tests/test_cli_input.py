@@ -204,3 +204,14 @@ def test_run_help_warns_that_values_on_the_command_line_are_visible(tmp_path):
     text = " ".join(proc.stdout.split())
     assert "KEY[=VALUE]" in text and "--env KEY" in text, explain(proc)
     assert re.search(r"\bps\b", text), "the help says who sees a value: ps\n" + explain(proc)
+
+
+def test_env_without_a_name_is_an_error_that_shows_no_value(tmp_path):
+    """`--env $NAME=$TOKEN` with NAME unset: the token must not reach the error (or CI logs)."""
+    write(tmp_path / "prints_env.py", "print('must not run')\n")
+    proc = gpufleet("--runs-dir", tmp_path / "runs", "run", "--gpus", "1", "--env", f"={SECRET}",
+                    "prints_env.py", cwd=tmp_path, env=cli_env(tmp_path), timeout=60)
+
+    assert proc.returncode == 2, explain(proc)
+    assert "--env" in proc.stderr and SECRET not in proc.stderr + proc.stdout, explain(proc)
+    nothing_started(proc, tmp_path / "runs")

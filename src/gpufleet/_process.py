@@ -93,7 +93,7 @@ def _signal_child(pid: int, sig: signal.Signals, parent: int) -> None:
         now = _stat(pid)
         if now is not None and now[0] == parent:
             signal.pidfd_send_signal(handle, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # gone, or another user's now (sudo): left
         pass
     finally:
         os.close(handle)

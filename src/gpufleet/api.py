@@ -28,8 +28,10 @@ class DistributedFunction(Generic[R]):
         if isinstance(fn, DistributedFunction):  # decorated again: the new options win
             fn = fn._fn
         _check_callable(fn)
-        functools.update_wrapper(self, fn)  # before our own attributes: it copies fn.__dict__
-        if not hasattr(self, "__name__"):  # a callable instance: named by its class
+        if inspect.isroutine(fn):  # before our own attributes: it copies fn.__dict__
+            functools.update_wrapper(self, fn)
+        else:  # a callable instance: named by its class; its own state is not ours to copy
+            functools.update_wrapper(self, fn, assigned=("__doc__",), updated=())
             self.__name__ = self.__qualname__ = type(fn).__name__
             self.__module__ = type(fn).__module__
         self._fn = fn
@@ -95,14 +97,14 @@ def _check_callable(fn: Any) -> None:
             f"@distributed decorates a function, got {fn!r} (of type {type(fn).__name__}); "
             "put it on a `def`"
         )
-    target = fn if inspect.isroutine(fn) else getattr(type(fn), "__call__", fn)
+    targets = (fn, getattr(type(fn), "__call__", fn))  # a function (or partial), an instance
     name = getattr(fn, "__qualname__", type(fn).__name__)
-    if inspect.isasyncgenfunction(target) or inspect.iscoroutinefunction(target):
+    if any(inspect.isasyncgenfunction(t) or inspect.iscoroutinefunction(t) for t in targets):
         raise ConfigError(
             f"{name} is an `async def` function, whose call only makes a coroutine that no rank "
             "would run; decorate a plain `def` that calls asyncio.run(...) on it"
         )
-    if inspect.isgeneratorfunction(target):
+    if any(inspect.isgeneratorfunction(t) for t in targets):
         raise ConfigError(
             f"{name} is a generator function (it yields), whose call only makes a generator "
             "that no rank would run; return a list of the values instead of yielding them"

@@ -329,7 +329,8 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not key:
             raise ConfigError(
-                f"--env {pair!r} names no variable: give --env KEY or --env KEY=VALUE")
+                "an --env value names no variable (it starts with '=': the value is not "
+                "shown, it may be a secret); give --env KEY or --env KEY=VALUE")
         if not sep:
             if key not in here:
                 raise ConfigError(f"--env {key}: {key} is not set in this environment; "
