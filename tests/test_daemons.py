@@ -252,3 +252,26 @@ def test_what_a_rank_started_in_its_own_group_ends_when_the_agent_is_killed(runs
     assert len(started(pid_folder)) == 2, "each rank started its helper"
     left = wait_until_gone(marker, GONE_WITHIN_S)
     assert not left, f"left running:\n{named(left)}"
+
+
+def test_a_detached_run_submitted_from_a_rank_goes_on_after_the_outer_run(runs_dir, tmp_path):
+    inner_runs = tmp_path / "inner-runs"
+
+    @distributed(gpus=2, runs_dir=runs_dir, logs="none", timeout=60)
+    def submits_a_detached_run(inner_runs: str):
+        if runtime.get_global_rank() != 0:
+            return None
+
+        def slow():
+            time.sleep(4)
+            return "inner done"
+
+        return distributed(gpus=1, runs_dir=inner_runs, detach=True, logs="none",
+                           tracking=False)(slow).submit().id
+
+    inner_id = submits_a_detached_run.distributed(str(inner_runs))[0]
+    import gpufleet
+
+    inner = gpufleet.attach(inner_id, inner_runs)
+    assert inner.wait(timeout=60) == "succeeded", inner.record()
+    assert inner.result() == ["inner done"]

@@ -12,6 +12,7 @@ from collections.abc import Container
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+SUPERVISOR_MODULE = "gpufleet._submitted"  # a submitted run's supervisor (handles.py)
 SWEEP_POLL_SECONDS = 0.05
 KILL_WAIT_SECONDS = 2.0  # for SIGKILLed processes to vanish (one in the kernel's D state may not)
 
@@ -55,16 +56,15 @@ def reap_adopted(spare: Container[int]) -> None:
 
 
 def end_tree(root: int, grace: float, spare: Container[int] = ()) -> list[int]:
-    """End every descendant of ``root`` but ``spare``: SIGTERM, then SIGKILL for those
-    still running after ``grace`` seconds; descendants that appear meanwhile (a process
-    forking as it is stopped) get the same. Children of this process are reaped. Returns
-    the pids that could not be ended (empty where there is no /proc)."""
+    """End every descendant of ``root`` but ``spare`` and what runs below them: SIGTERM,
+    then SIGKILL for those still running after ``grace`` seconds; descendants that appear
+    meanwhile (a process forking as it is stopped) get the same. Children of this process
+    are reaped. Returns the pids that could not be ended (empty where there is no /proc)."""
     deadline = time.monotonic() + grace
     asked: set[int] = set()
     while True:
         table = _process_table()
-        live = [pid for pid in _descendants(root, table)
-                if table[pid][1] != "Z" and pid not in spare]
+        live = [pid for pid in _descendants(root, table, spare) if table[pid][1] != "Z"]
         if root == os.getpid():
             reap_adopted(spare)
         now = time.monotonic()
@@ -99,15 +99,37 @@ def _signal_child(pid: int, sig: signal.Signals, parent: int) -> None:
         os.close(handle)
 
 
-def _descendants(root: int, table: dict[int, tuple[int, str]]) -> list[int]:
+def end_run_tree(root: int, grace: float, spare: Container[int] = ()) -> list[int]:
+    """``end_tree`` for a run's processes: runs submitted from inside the run (their
+    supervisors and everything below them) are spared. A detached one goes on, as it would
+    have from anywhere; one that is not ends with its submitter anyway."""
+    return end_tree(root, grace, {*spare, *running_module(root, SUPERVISOR_MODULE)})
+
+
+def running_module(root: int, module: str) -> set[int]:
+    """The descendants of ``root`` that run ``python -m module``."""
+    found = set()
+    for pid in _descendants(root, _process_table()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # gone
+            continue
+        if any(a == b"-m" and b == module.encode() for a, b in zip(argv, argv[1:])):
+            found.add(pid)
+    return found
+
+
+def _descendants(root: int, table: dict[int, tuple[int, str]], spare: Container[int] = ()) -> list[int]:
+    """Every process below ``root``, but ``spare`` and what is below them."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in table.items():
         children.setdefault(parent, []).append(pid)
-    found, todo = [], list(children.get(root, []))
+    found, todo = [], [pid for pid in children.get(root, []) if pid not in spare]
     while todo:
         pid = todo.pop()
         found.append(pid)
-        todo += children.get(pid, [])
+        todo += [child for child in children.get(pid, []) if child not in spare]
     return found
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from gpufleet import _environ, devices, records
+from gpufleet import _environ, _process, devices, records
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.logs import LogFollower
 from gpufleet.launchers.local import _starter
@@ -204,7 +204,7 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
     log = os.open(record.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         return _starter().run(
-            subprocess.Popen, [sys.executable, "-m", "gpufleet._submitted", str(record.path)],
+            subprocess.Popen, [sys.executable, "-m", _process.SUPERVISOR_MODULE, str(record.path)],
             env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(ticket.fd,) if ticket is not None else (),
         )

@@ -299,7 +299,7 @@ class _Ranks:
             pass
         _process.kill_groups(rank_groups(self.folder, self.nprocs))
         if self.agent.poll() is None:  # its pid is its own until reaped
-            _process.end_tree(self.agent.pid, grace=0)  # what it adopted would go to init
+            _process.end_run_tree(self.agent.pid, grace=0)  # what it adopted would go to init
         _process.kill_group(self.agent.pid)
         self.agent.wait()
         self.lease.release()

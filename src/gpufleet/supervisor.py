@@ -300,7 +300,7 @@ class Supervisor:
             return
         _process.kill_groups(rank_groups(self.run, self.world_size))
         if self.agent.poll() is None:  # its pid is its own until reaped
-            _process.end_tree(self.agent.pid, grace=0)  # what it adopted would go to init
+            _process.end_run_tree(self.agent.pid, grace=0)  # what it adopted would go to init
         _process.kill_group(self.agent.pid)
         self.agent.wait()
         _make_private(self.run.nccl_traces.parent)  # PyTorch writes its dumps with the umask

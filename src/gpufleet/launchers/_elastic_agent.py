@@ -31,7 +31,7 @@ from gpufleet.rundir import RunDir, rank_groups
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
 # For what the ranks left running outside their process groups (daemons) to end on SIGTERM;
-# with the ranks' own stop it fits in the caller's grace before it kills this process.
+# a caller that stops waiting before it is over ends this process's whole tree itself.
 DAEMON_GRACE_SECONDS = 2.0
 REAP_EVERY_SECONDS = 1.0
 RENDEZVOUS_BACKEND = "gpufleet-loopback"
@@ -123,8 +123,9 @@ def _end_rank_groups(run: RunDir, nprocs: int) -> None:
 def _end_daemons(own: set[int]) -> None:
     """What the ranks started in a session of their own (a helper with
     start_new_session=True, a daemon that forked twice) is outside their groups; as this
-    process is their subreaper, it is still below it: SIGTERM, a short grace, SIGKILL."""
-    left = _process.end_tree(os.getpid(), DAEMON_GRACE_SECONDS, spare=own)
+    process is their subreaper, it is still below it: SIGTERM, a short grace, SIGKILL. Runs
+    submitted from a rank are spared (``end_run_tree``)."""
+    left = _process.end_run_tree(os.getpid(), DAEMON_GRACE_SECONDS, spare=own)
     if left:
         print(f"gpufleet: processes the ranks started did not end after SIGKILL: {left}",
               file=sys.stderr, flush=True)
