@@ -161,6 +161,21 @@ def test_a_loader_state_saved_by_an_earlier_version_still_restores_and_says_what
         resumed.load_state_dict({"epoch": 1, "position": 11})
 
 
+def test_an_earlier_versions_state_from_the_end_of_an_uneven_epoch_restores_on_every_rank(
+    tmp_path, monkeypatch
+):
+    """pad=False, 10 files on 4 ranks (3, 3, 2, 2 each): the state kept is one rank's count, 3,
+    which the ranks with 2 files must take as the epoch's end, not as another world size."""
+    files = [str(tmp_path / f"f{i}") for i in range(10)]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        loader = data.loader(data.FileDataset(files, pad=False), batch_size=1, num_workers=0)
+        with pytest.warns(UserWarning, match="number of ranks"):
+            loader.load_state_dict({"epoch": 0, "position": 3})
+        assert list(loader) == [], f"rank {rank} read files of an epoch that had ended"
+
+
 def test_a_position_past_the_end_of_the_file_list_is_refused(tmp_path):
     loader = data.loader(data.FileDataset([str(tmp_path / "a")]), batch_size=1, num_workers=0)
 

@@ -213,14 +213,16 @@ class ResumableLoader:
         """The epoch's position from a state of earlier versions, which held only this rank's
         own count of files and not the number of ranks: exact when restored on as many ranks
         as saved it, which cannot be checked, hence the warning."""
-        rank, world_size = _environ.rank(), _environ.world_size()
+        world_size = _environ.world_size()
         total = len(self.dataset.files)
-        count = len(_share(range(total), 0, rank, world_size, self.dataset.pad))
-        if position > count:
+        # the most files any rank has an epoch (with pad=False the ranks' counts differ by
+        # one, and the state kept is any one rank's)
+        most = len(_share(range(total), 0, 0, world_size, self.dataset.pad))
+        if position > most:
             raise ConfigError(
-                f"loader state {state!r} holds position {position} of one rank, but rank {rank} "
-                f"of {world_size} has only {count} files an epoch: it was saved by another number "
-                "of ranks; restore it with as many ranks as saved it"
+                f"loader state {state!r} holds position {position} of one rank, but no rank of "
+                f"{world_size} has more than {most} files an epoch: it was saved by another "
+                "number of ranks; restore it with as many ranks as saved it"
             )
         warnings.warn(
             f"loader state {state!r} holds one rank's own position, without the number of ranks "
