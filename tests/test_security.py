@@ -191,3 +191,22 @@ def test_an_mlflow_store_gpufleet_creates_is_private(tmp_path, monkeypatch):
         [e.experiment_id for e in mlflow.MlflowClient(f"sqlite:///{store}").search_experiments()])
     assert len(runs) == 1, "the store created private must still be MLflow's store"
     assert stat.S_IMODE(store.stat().st_mode) == 0o600
+
+
+def test_a_gpufleet_home_that_is_a_link_is_followed_to_a_folder_that_must_be_private(
+    tmp_path, monkeypatch
+):
+    """Linking ~/.gpufleet to a larger disk is the user's choice; the folder linked to is
+    checked as the home itself would be."""
+    target = tmp_path / "bigdisk" / "gpufleet"
+    target.mkdir(parents=True, mode=0o700)
+    link = tmp_path / "home-link"
+    link.symlink_to(target)
+    monkeypatch.setenv("GPUFLEET_HOME", str(link))
+    job = distributed(gpus=1, logs="none", tracking=False)(lambda: 7)
+    assert job.distributed() == [7]
+    assert len(list((target / "runs").iterdir())) == 1
+
+    target.chmod(0o777)
+    with pytest.raises(GpufleetError, match="chmod 700"):
+        job.distributed()

@@ -90,7 +90,9 @@ def caller_umask() -> int | None:
 
 
 def gpufleet_home() -> Path:
-    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet").expanduser().absolute()
+    """``$GPUFLEET_HOME`` (default ``~/.gpufleet``), its symlinks resolved: a link the user
+    made (to a larger disk, say) is their choice; what it points at must then be private."""
+    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet").expanduser().resolve()
 
 
 def ray_address() -> str | None:
