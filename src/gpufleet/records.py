@@ -49,7 +49,9 @@ SPARE_BYTES = 2**20
 
 class DamagedRecordError(ConfigError):
     """A ``record.json`` that is not a record this gpufleet can read; says which file and what
-    is wrong with it."""
+    is wrong with it. ``newer``: it is whole, in a format of a newer gpufleet."""
+
+    newer = False
 
 
 class Record:
@@ -135,9 +137,12 @@ class Record:
         return data
 
     def _damaged(self, problem: str) -> DamagedRecordError:
-        fix = ("upgrade gpufleet" if problem.startswith("it was written by a newer") else
+        newer = problem.startswith("it was written by a newer")
+        fix = ("upgrade gpufleet" if newer else
                "`gpufleet prune` counts its run as ended, or delete the run's folder")
-        return DamagedRecordError(f"damaged run record {self.file}: {problem}; {fix}")
+        error = DamagedRecordError(f"damaged run record {self.file}: {problem}; {fix}")
+        error.newer = newer
+        return error
 
     def update(self, **fields) -> dict:
         data = self.read()
@@ -447,14 +452,23 @@ def _created(record: Record) -> float | None:
 
 def _ended_at(record: Record) -> float | None:
     """When the run ended; None while it is queued or running. A damaged record's run counts
-    as ended when its folder last changed: nobody can follow it or end it any more."""
+    as ended when its folder last changed: nobody can follow it or end it any more. One in a
+    newer gpufleet's format may be a run going on under that version: never pruned here."""
     try:
         status = record.status()
         if status == DAMAGED:
-            return _changed(record)
+            return None if _newer(record) else _changed(record)
         return (record.read()["ended"] or record.file.stat().st_mtime) if status in FINAL else None
     except (OSError, DamagedRecordError):  # deleted, or damaged, meanwhile: left to the next prune
         return None
+
+
+def _newer(record: Record) -> bool:
+    try:
+        record.read()
+    except DamagedRecordError as error:
+        return error.newer
+    return False
 
 
 def _changed(record: Record) -> float | None:
