@@ -107,6 +107,36 @@ def test_a_large_log_is_followed_in_bounded_memory_each_line_once_in_order(tmp_p
                              "at once: it must be read in bounded pieces")
 
 
+def test_output_without_newlines_is_shown_in_pieces_not_held_whole(tmp_path):
+    """A rank that writes 40 MiB with no newline (a binary dump, one huge JSON line)."""
+    log = tmp_path / "rank-0.log"
+    with open(log, "wb") as f:
+        for _ in range(40):
+            f.write(b"z" * MiB)
+
+    class Count:
+        shown = 0
+
+        def write(self, text: str) -> None:
+            self.shown += text.count("z")
+
+        def flush(self) -> None:
+            pass
+
+    out = Count()
+    follower = LogFollower(lambda rank: log, 1, lambda rank: True, out=out)
+    tracemalloc.start()
+    try:
+        while follower.poll():
+            pass
+        follower.close()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out.shown == 40 * MiB, "every byte is shown, in pieces"
+    assert peak < 24 * MiB, f"a 40 MiB line without newline took {peak / MiB:.0f} MiB at once"
+
+
 def test_gpufleet_logs_follow_of_a_large_backlog_stays_small(tmp_path):
     runs_dir = tmp_path / "runs"
     count = 1_100_000  # about 128 MiB

@@ -21,6 +21,9 @@ TAIL_BYTES = 64 * 1024
 # followed (or a log followed long after it was written) costs this much memory, not its
 # backlog's size; 4 MiB per 0.1 s poll keeps up with 40 MB/s of output per rank.
 READ_BYTES = 4 * 2**20
+# An unfinished line longer than this (output with no newline: a binary dump, a huge JSON
+# line) is shown in pieces of this size rather than held whole.
+LINE_BYTES = 2**20
 # What a crash dump (faulthandler) shows that is not the user's: the frames of the machinery
 # that started the rank (gpufleet, multiprocessing, elastic's wrappers) and the list of
 # loaded extension modules.
@@ -86,7 +89,11 @@ class _RankLog:
         if final and partial:
             lines.append(partial)
             partial = b""
-        self.partial = _last_rewrite(partial)
+        partial = _last_rewrite(partial)
+        while len(partial) > LINE_BYTES:  # the per-rank log keeps the line whole
+            lines.append(partial[:LINE_BYTES])
+            partial = partial[LINE_BYTES:]
+        self.partial = partial
         self.live = shown_text(self.partial).rstrip() or None
         return [shown_text(line) for line in lines]
 
