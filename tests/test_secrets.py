@@ -60,8 +60,10 @@ def test_a_submitted_run_keeps_env_off_disk_and_its_ranks_and_retries_get_it(run
             raise RuntimeError("first attempt fails, so the retry needs env= again")
         return os.environ["API_TOKEN"]
 
-    run = distributed(gpus=2, env={"API_TOKEN": SECRET}, runs_dir=runs_dir, max_retries=1,
-                      logs="none")(read_secret).submit()
+    # values together beyond what one environment variable may hold (128 KiB)
+    bulky = {f"CERT_{i}": "c" * 60_000 for i in range(4)}
+    run = distributed(gpus=2, env={"API_TOKEN": SECRET, **bulky}, runs_dir=runs_dir,
+                      max_retries=1, logs="none")(read_secret).submit()
     assert run.result(timeout=80) == [SECRET, SECRET]
 
     files = [p for p in attach(run.id, runs_dir).path.rglob("*")

@@ -21,9 +21,9 @@ POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory be
 VIRTUAL_GPUS = "GPUFLEET_VIRTUAL_GPUS"  # a machine without GPUs schedules runs as if it had N
 DEVICE_TICKET = "GPUFLEET_DEVICE_TICKET"  # a submitted run's place in line for devices
 PARAMETERS = "GPUFLEET_PARAMETERS"  # a workload's parameters file, for its ranks
-# A submitted call's env= (JSON), handed to its background supervisor in its environment so
-# that no value is written into the run folder; the supervisor takes it out of its own.
-CALL_ENV = "GPUFLEET_CALL_ENV"
+# A submitted call's env= and runtime_env env_vars reach its background supervisor through
+# an inherited in-memory file (this variable names its descriptor), never the run folder.
+CALL_SECRETS_FD = "GPUFLEET_CALL_SECRETS_FD"
 RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use by default
 
 
@@ -112,11 +112,17 @@ def virtual_gpus() -> int:
     return int(value)
 
 
-def pop_call_env() -> dict[str, str]:
-    """A submitted call's ``env=`` (empty when none), removed from this process's environment."""
+def take_call_secrets() -> dict:
+    """A submitted call's secrets (``RunOptions.secrets()``; empty when none), read once from
+    the descriptor its submitter handed down, which is then closed."""
     import json
 
-    return json.loads(os.environ.pop(CALL_ENV, None) or "{}")
+    value = os.environ.pop(CALL_SECRETS_FD, None)
+    if not value:
+        return {}
+    with os.fdopen(int(value), "rb") as f:
+        f.seek(0)  # the submitter wrote it through the same open file
+        return json.loads(f.read() or b"{}")
 
 
 def device_ticket() -> str | None:

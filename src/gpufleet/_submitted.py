@@ -38,11 +38,11 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_watch_parent, args=(parent,), name="gpufleet-parent", daemon=True).start()
     ticket = _environ.device_ticket()
     os.environ.pop(_environ.DEVICE_TICKET, None)  # the ranks have no use for it
-    env = _environ.pop_call_env()  # nor for this: they get env= itself
+    secrets = _environ.take_call_secrets()
     try:
         call = load_private(record.call)
         # the ranks' own log files hold their lines; a warm pool would die with this process
-        call.options = call.options.replace(logs="none", warm=False, env=env)
+        call.options = call.options.replace(logs="none", warm=False).with_secrets(secrets)
     except BaseException as exc:  # the call never ran: its record says why
         record.end(exc)
         raise

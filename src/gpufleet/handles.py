@@ -170,29 +170,43 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
     import cloudpickle
 
     record = call.record(detached=call.options.detach, background=True, **fields)
-    # env= values never touch the disk: they reach the supervisor in its environment
-    env = {**(env or {}), _environ.CALL_ENV: json.dumps(dict(call.options.env))}
-    ticket = None
+    env = dict(env or {})
+    ticket = secrets = None
     try:
-        write_private(record.call, cloudpickle.dumps(dataclasses.replace(call, options=call.options.replace(env={}))))
+        # environment values never touch the disk: they reach the supervisor in memory
+        write_private(record.call, cloudpickle.dumps(
+            dataclasses.replace(call, options=call.options.without_secrets())))
+        secrets = _in_memory(json.dumps(call.options.secrets()).encode())
+        env[_environ.CALL_SECRETS_FD] = str(secrets)
         # as calls._hold_devices: a run started inside a rank holds no devices of its own
         if call.placement.takes_devices and not call.options.remote and _environ.run_dir() is None:
             ticket = devices.reserve(record.id, record.read()["created"])
             env[_environ.DEVICE_TICKET] = ticket.spec()
-        process = _start_supervisor(record, call.options.detach, cwd, env, ticket)
+        process = _start_supervisor(record, call.options.detach, cwd, env, ticket, secrets)
     except BaseException as exc:  # never started: say so in its record
         record.end(exc)
         raise
     finally:
         if ticket is not None:
             ticket.hand_over()
+        if secrets is not None:
+            os.close(secrets)  # the supervisor holds its own copy
     # reaped as soon as it ends, so that a reader elsewhere never sees its corpse as alive
     threading.Thread(target=process.wait, name=f"gpufleet-reap-{record.id}", daemon=True).start()
     return Run(record, process)
 
 
+def _in_memory(data: bytes) -> int:
+    """A descriptor of an anonymous in-memory file holding ``data`` (no path, no disk)."""
+    fd = os.memfd_create("gpufleet-call-secrets")
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    return fd
+
+
 def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: dict[str, str],
-                      ticket) -> subprocess.Popen:
+                      ticket, secrets: int) -> subprocess.Popen:
     """``python -m gpufleet._submitted RECORD`` in its own session, its output in the run's
     supervisor.log. Without ``detach`` it dies with this process (the death signal follows
     the thread that starts it: the launcher's long-lived starter thread)."""
@@ -206,7 +220,7 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
         return _starter().run(
             subprocess.Popen, [sys.executable, "-m", _process.SUPERVISOR_MODULE, str(record.path)],
             env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, pass_fds=(ticket.fd,) if ticket is not None else (),
+            start_new_session=True, pass_fds=(secrets, *((ticket.fd,) if ticket is not None else ())),
         )
     finally:
         os.close(log)

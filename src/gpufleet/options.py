@@ -81,6 +81,23 @@ class RunOptions:
         _check_remote_combination(run, given)
         return run
 
+    def secrets(self) -> dict:
+        """What is never written to disk: ``env=`` and ``runtime_env``'s ``env_vars``."""
+        return {"env": dict(self.env), "env_vars": dict((self.runtime_env or {}).get("env_vars") or {})}
+
+    def without_secrets(self) -> "RunOptions":
+        runtime_env = self.runtime_env
+        if runtime_env and "env_vars" in runtime_env:
+            runtime_env = {k: v for k, v in runtime_env.items() if k != "env_vars"}
+        return dataclasses.replace(self, env={}, runtime_env=runtime_env)
+
+    def with_secrets(self, secrets: dict) -> "RunOptions":
+        """These options with what ``secrets()`` took out put back (checked when it was)."""
+        runtime_env = self.runtime_env
+        if secrets.get("env_vars"):
+            runtime_env = {**(runtime_env or {}), "env_vars": secrets["env_vars"]}
+        return dataclasses.replace(self, env=secrets.get("env", {}), runtime_env=runtime_env)
+
     def __repr__(self) -> str:
         """Every option, with environment values masked: a repr lands in logs and tracebacks."""
         shown = (f"{f.name}={_shown(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self))
