@@ -44,15 +44,11 @@ def adopt_orphans() -> bool:
 def reap_adopted(spare: Container[int]) -> None:
     """Collect the exit status of every child of this process that ended, but ``spare``:
     an adopted orphan is nobody else's to wait for, and would stay a zombie."""
-    while True:
-        try:
-            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return
-        if ended is None or ended.si_pid in spare:
-            return
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(ended.si_pid, os.WNOHANG)
+    me = os.getpid()
+    for pid, (parent, state) in _process_table().items():
+        if parent == me and state == "Z" and pid not in spare:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def end_tree(root: int, grace: float, spare: Container[int] = ()) -> list[int]:
@@ -143,29 +139,43 @@ def _process_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
+def stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the process's name (state first, so field N of
+    proc(5) is at N - 3); None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:  # gone
+            return f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ")"
+    except (OSError, IndexError):  # gone
         return None
-    state, parent = data[data.rindex(b")") + 2:].split()[:2]  # the name may hold spaces
-    return int(parent), state.decode()
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot: a pid reused by another
+    process has another start time. None when there is no such process, or only its corpse
+    (a zombie nobody reaped)."""
+    fields = stat_fields(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
 
 
 def started_at(pid: int) -> float | None:
-    """When process ``pid`` started (seconds since the epoch), from /proc; None when there is
-    no such process, only its corpse, or no /proc."""
+    """When process ``pid`` started (seconds since the epoch); None as ``start_ticks``."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
         with open("/proc/stat", "rb") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-    except (OSError, StopIteration, IndexError, ValueError):
+    except (OSError, StopIteration):
         return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of process ``pid``."""
+    fields = stat_fields(pid)
+    return None if fields is None else (int(fields[1]), fields[0].decode())
 
 
 def alive(pid: int | None) -> bool:

@@ -104,8 +104,11 @@ class Run:
             return None
         text = io.StringIO() if out is None else out
         attempt = self._record.last_attempt()
-        for r in ([rank] if rank is not None else range(world)) if attempt is not None else ():
-            _copy_log(attempt.log(r), text, None if rank is not None else f"[rank {r}] ")
+        if attempt is not None and rank is not None:
+            _copy_log(attempt.log(rank), text, None)
+        elif attempt is not None:
+            for r in range(world):
+                _copy_log(attempt.log(r), text, f"[rank {r}] ")
         return text.getvalue() if out is None else None
 
     def cancel(self) -> str:

@@ -19,6 +19,7 @@ import stat
 import time
 from pathlib import Path
 
+from gpufleet import _process
 from gpufleet.errors import (
     ConfigError,
     GpufleetError,
@@ -408,12 +409,12 @@ def _pool_gone(folder: RunDir, before: float) -> bool:
     if not is_alive(owner):
         return True
     pids = [read_pid(p) for p in (folder.path / "pids").glob("rank-*.pid")]
-    return bool(pids) and not any(pid is not None and _start_time(pid) is not None for pid in pids)
+    return bool(pids) and not any(pid is not None and _process.start_ticks(pid) is not None for pid in pids)
 
 
 def this_process() -> dict:
     """This process as a record names its supervisor (and a pool its owner)."""
-    return {"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname()}
+    return {"pid": os.getpid(), "start": _process.start_ticks(os.getpid()), "host": socket.gethostname()}
 
 
 def status_of(error: BaseException | None) -> str:
@@ -485,19 +486,7 @@ def is_alive(supervisor: dict | None, created: float | None = None) -> bool:
         return created is None or time.time() - created < NAMING_SECONDS
     if supervisor.get("host") != socket.gethostname():
         return True  # another machine's process: trust the record
-    started = _start_time(supervisor["pid"])
+    started = _process.start_ticks(supervisor["pid"])
     return started is not None and started == supervisor["start"]
 
 
-def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot): a pid reused by another process
-    has another start time. None when there is no such process, or only its corpse (a zombie
-    nobody reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
