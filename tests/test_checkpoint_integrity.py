@@ -1,7 +1,9 @@
 """Checkpoint integrity on real gloo ranks: every file of a step has its digest in the commit
 record and is checked on restore; a damaged step is an error on every rank (or, on a retry,
-skipped for the newest intact one); metadata pickled by any CPython 3.10+ loads; copies of
-remote checkpoints are private to their user.
+skipped for the newest intact one and moved aside, never deleted), while a failure that is not
+damage is an error even on a retry; a damaged cached copy of a remote step is downloaded
+again; metadata pickled by any CPython 3.10+ loads; copies of remote checkpoints are private
+to their user.
 
 Functions sent to ranks are defined here at module level or inside the tests; the helpers
 below are imported by reference in the ranks (the caller's sys.path travels with the call).
@@ -35,11 +37,12 @@ STEP1, STEP2 = "step-00000001", "step-00000002"
 # ---------------------------------------------------------------------------- in the ranks
 
 
-def tiny_trainer(seed: int = 0):
+def tiny_trainer(seed: int = 0, width: int = 4):
     from gpufleet import strategies
 
     torch.manual_seed(seed)
-    return strategies.prepare(torch.nn.Linear(4, 4), lambda p: torch.optim.Adam(p, lr=0.1), "ddp")
+    model = torch.nn.Linear(4, width)
+    return strategies.prepare(model, lambda p: torch.optim.Adam(p, lr=0.1), "ddp")
 
 
 def train_step(trainer, step: int) -> None:
@@ -101,6 +104,20 @@ def _flip_bit_in_tensor(folder: Path, values: torch.Tensor) -> str:
             path.write_bytes(bytes(data))
             return path.name
     raise AssertionError(f"no data file of {folder} holds {values}")
+
+
+def _cut_record(folder: Path) -> None:
+    """Cut a step's commit record short, as a disk that filled up or a copy cut short does."""
+    record = folder / "gpufleet.json"
+    record.write_text(record.read_text()[:25])
+
+
+def _spoil_data_file(folder: Path) -> None:
+    """Invert one byte in the middle of a step's largest data file (its size stays the same)."""
+    path = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def _record(folder: Path) -> dict:
@@ -330,11 +347,27 @@ def test_a_damaged_latest_step_is_an_error_on_every_rank_that_says_what_to_do(ru
     assert "root cause: ranks 0, 1:" in str(error), str(error)
 
 
-def test_a_retry_falls_back_to_the_newest_intact_step_and_says_so(runs_dir, tmp_path):
-    root, reference = tmp_path / "ckpt", tmp_path / "step1.pt"
+def _checkpoint_root(where: str, tmp_path: Path, monkeypatch) -> tuple[Path, str]:
+    """(the folder that holds the steps, the root to pass to Checkpointer): a local folder,
+    or the same folder through fsspec's remote code path (`local://`)."""
+    bucket = tmp_path / "ckpt"
+    if where == "local":
+        return bucket, str(bucket)
+    pytest.importorskip("fsspec")
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
+    return bucket, f"local://{bucket}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where, damage", [("local", "cut record"), ("remote", "spoilt data file")])
+def test_a_retry_falls_back_past_a_damaged_step_and_keeps_it_aside(
+        where, damage, runs_dir, tmp_path, monkeypatch):
+    bucket, root = _checkpoint_root(where, tmp_path, monkeypatch)
+    reference = tmp_path / "step1.pt"
+    spoil = _cut_record if damage == "cut record" else _spoil_data_file
 
     @distributed(gpus=2, runs_dir=runs_dir, timeout=120, max_retries=1)
-    def train(root: str, reference: str):
+    def train(root: str, bucket: str, reference: str):
         import torch.distributed as dist
 
         runtime.setup(timeout=60)
@@ -351,9 +384,8 @@ def test_a_retry_falls_back_to_the_newest_intact_step_and_says_so(runs_dir, tmp_
                 if step == 1 and rank == 0:
                     torch.save(weights(trainer), reference)
             dist.barrier()
-            if rank == 0:  # step 2's record is cut short, then the run crashes
-                record = Path(root) / STEP2 / "gpufleet.json"
-                record.write_text(record.read_text()[:25])
+            if rank == 0:  # step 2 is damaged where it is stored, then the run crashes
+                spoil(Path(bucket) / STEP2)
                 raise RuntimeError("simulated crash after step 2 was damaged")
             dist.barrier()  # rank 1 waits here until gpufleet stops it
         for step in range(start + 1, 4):
@@ -363,18 +395,85 @@ def test_a_retry_falls_back_to_the_newest_intact_step_and_says_so(runs_dir, tmp_
         return {"attempt": runtime.get_attempt(), "start": start, "restored": restored,
                 "steps": ckpt.steps()}
 
-    results = train.distributed(str(root), str(reference))
+    results = train.distributed(root, str(bucket), str(reference))
 
     step1 = torch.load(reference, weights_only=True)
     for rank, r in enumerate(results):
         assert (r["attempt"], r["start"]) == (1, 1), f"rank {rank}: {r['attempt']=}, {r['start']=}"
         assert all(torch.equal(r["restored"][k], step1[k]) for k in step1), "step 1's weights"
         assert r["steps"] == [1, 2, 3], r["steps"]
+    # Saving steps 2 and 3 again replaced nothing that was damaged: it is kept, moved aside.
+    aside = bucket / f"{STEP2}.damaged"
+    kept = sorted(p.name for p in aside.iterdir()) if aside.is_dir() else []
+    assert "gpufleet.json" in kept and ".metadata" in kept, f"damaged step not kept: {kept}"
+    damaged = f"{root}/{STEP2}" if where == "remote" else str(bucket / STEP2)
     retry = run_folders(runs_dir)[-1]
     for rank in (0, 1):
         log = (retry / "logs" / f"rank-{rank}.log").read_text()
-        said = [line for line in log.splitlines() if str(root / STEP2) in line]
+        said = [line for line in log.splitlines() if damaged in line]
         assert said and "step 1" in said[0], f"rank {rank}'s log says no fallback:\n{log}"
+        assert f"{damaged}.damaged" in said[0], f"rank {rank}'s log hides the damaged step:\n{log}"
+
+
+class Loader:
+    """A data loader's position in a data set of `size` samples, refusing one past its end."""
+
+    def __init__(self, size: int):
+        self.size, self.position = size, 0
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["position"] > self.size:
+            raise ValueError(f"position {state['position']} is past the end of the data set "
+                             f"({self.size} samples)")
+        self.position = state["position"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("change, error", [("wider layer", "Size mismatch"),
+                                           ("shorter data set", "past the end of the data set")])
+def test_a_retry_that_cannot_load_the_newest_step_for_another_reason_fails_and_keeps_it(
+        change, error, runs_dir, tmp_path):
+    """Only damage is skipped on a retry. Here something read at start-up changed between the
+    attempts: the retry builds its layer wider than the one saved (no step fits), or its data
+    set is shorter than the position saved at step 2 (step 1 would fit). Either is the error,
+    on every rank, and no step is skipped, moved, replaced or deleted."""
+    root, record = tmp_path / "ckpt", tmp_path / "step2.json"
+
+    @distributed(gpus=2, runs_dir=runs_dir, timeout=120, max_retries=1)
+    def train(root: str, change: str, record: str):
+        runtime.setup(timeout=60)
+        first = runtime.get_attempt() == 0
+        trainer = tiny_trainer(width=8 if change == "wider layer" and not first else 4)
+        loader = Loader(size=3 if change == "shorter data set" and not first else 10)
+        ckpt = Checkpointer(root, keep=None)
+        start = ckpt.restore(trainer, extra={"loader": loader})
+        for step in range(start + 1, 3):
+            train_step(trainer, step)
+            loader.position += 2
+            ckpt.save(step, trainer, extra={"loader": loader})
+        ckpt.wait()
+        if first:
+            if runtime.get_global_rank() == 0:
+                shutil.copy(Path(root) / STEP2 / "gpufleet.json", record)
+            raise RuntimeError("simulated crash after step 2")
+        return start
+
+    with pytest.raises(RunFailedError) as info:
+        train.distributed(str(root), change, str(record))
+
+    failures = info.value.failures
+    assert sorted(f.rank for f in failures) == [0, 1], str(info.value)
+    for failure in failures:
+        summary = failure.summary
+        assert not failure.collateral, f"rank {failure.rank} saw a lost peer: {summary}"
+        assert error in summary and str(root / STEP2) in summary, summary
+        assert "is damaged" not in summary and "intact step" not in summary, summary
+    assert sorted(p.name for p in root.iterdir()) == [STEP1, STEP2]
+    assert (root / STEP2 / "gpufleet.json").read_bytes() == record.read_bytes(), (
+        "step 2 was saved again over the one the crashed attempt committed")
 
 
 # ---------------------------------------------------------------------------- private caches
@@ -427,3 +526,25 @@ def test_a_cache_folder_open_to_others_is_refused(runs_dir, tmp_path, monkeypatc
     for failure in error.failures:
         assert str(planted) in failure.summary and "chmod 700" in failure.summary, failure.summary
     assert not (tmp_path / "bucket").exists() or not any((tmp_path / "bucket").iterdir())
+
+
+def test_a_damaged_cached_copy_of_a_remote_step_is_downloaded_again(runs_dir, tmp_path,
+                                                                     monkeypatch):
+    pytest.importorskip("fsspec")
+    home = tmp_path / "home"
+    monkeypatch.setenv("GPUFLEET_HOME", str(home))
+    url = f"local://{tmp_path / 'bucket'}"
+    call = distributed(gpus=2, runs_dir=runs_dir, timeout=120)
+    saved = call(save_steps).distributed(url, [1, 2])[0][2]
+    first = call(restore_outcomes).distributed({"first": (url, {})})
+    assert [r["first"][:2] for r in first] == [("loaded", 2)] * 2, first
+    [cached] = home.glob(f"cache/checkpoints/*/{STEP2}")
+    _flip_bit_in_tensor(cached, saved["weight"])  # a disk error, a cleaner that cut a file
+
+    results = call(restore_outcomes).distributed({"again": (url, {})})
+
+    for rank, outcome in enumerate(results):
+        assert outcome["again"][:2] == ("loaded", 2), f"rank {rank}: {outcome['again']}"
+        loaded, caught = outcome["again"][2], outcome["again"][3]
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved), "step 2's weights"
+        assert any(str(cached) in w and "downloaded again" in w for w in caught), caught

@@ -24,12 +24,18 @@ a local staging folder and uploaded, the commit record last. See ``_store`` for 
 Every file of a step has its digest in the commit record, taken by the background thread of
 the save, each rank hashing a share of the files; restore checks them (``verify=False`` skips
 that). A damaged step is an error on every rank; on a retry of the call (``max_retries``),
-restore goes back to the newest intact step instead and says so in a warning.
+restore goes back to the newest intact step instead, moves the damaged one aside to
+``step-N.damaged`` (so that the retry's saves neither replace nor delete it) and says so in a
+warning. Damaged means proven so: a commit record that does not parse, a file that differs
+from its digest, or a file the safe loaders refuse. Any other failure while restoring (a
+download or read that fails, a state that does not fit the step, memory running out) is an
+error on every rank even on a retry: it says nothing against the step, which stays as it is.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
 import warnings
@@ -109,10 +115,9 @@ class Checkpointer:
         state, engine = _state_of(target, optimizer, extra)
         self.wait()
         group = self._process_group()
-        stages_here = runtime.get_local_rank() == 0 if self.store.remote else _is_rank0()
 
         def prepare() -> None:
-            if stages_here:  # one process per folder: per node for remote roots, else rank 0
+            if self._stages_here():
                 self.store.clear_staging(step)
             if _is_rank0():
                 self.store.retract(step)  # an older save of this step no longer counts
@@ -169,13 +174,14 @@ class Checkpointer:
         if future is not None:
             future.result()
         group = self._group
-        shares = agree(group, step, "hashing its files", lambda: self._hash_share(step))
+        sizes = self._staged_sizes(step, group)
+        shares = agree(group, step, "hashing its files", lambda: self._hash_share(step, sizes))
         record["digest_method"] = _digest.method()
         record["files"] = dict(sorted(item for share in shares for item in share.items()))
 
         def upload() -> None:  # each node's files, by one process of the node
             if runtime.get_local_rank() == 0:
-                self.store.upload_files(step, staged_files(self.store.staging(step)))
+                self.store.upload_files(step, list(sizes))
 
         def commit() -> None:
             if _is_rank0():
@@ -189,13 +195,34 @@ class Checkpointer:
         if self.store.remote and runtime.get_local_rank() == 0:
             self.store.discard_staging(step)
 
-    def _hash_share(self, step: int) -> dict[str, dict]:
+    def _staged_sizes(self, step: int, group: Any) -> dict[str, int]:
+        """{file: bytes} of the staged copy this rank hashes a share of, as the one process
+        that staged that copy lists it (rank 0; each node's first for a remote root). Were
+        each rank to list a shared folder itself, cached listings could differ between them
+        and leave a file that no rank hashes: a step that no restore would accept."""
+        node = runtime.get_node_rank()
+
+        def listing() -> tuple[int, dict[str, int]] | None:
+            if not self._stages_here():
+                return None
+            folder = self.store.staging(step)
+            return node, _digest.sizes_of(folder, staged_files(folder))
+
+        listings = [found for found in agree(group, step, "listing its files", listing) if found]
+        return next(sizes for lister, sizes in listings if not self.store.remote or lister == node)
+
+    def _hash_share(self, step: int, sizes: dict[str, int]) -> dict[str, dict]:
         """Digests of this rank's share of the staged files."""
         folder = self.store.staging(step)
-        names = staged_files(folder)
         rank, world = runtime.get_global_rank(), runtime.get_world_size()
-        share = _digest.saved_share(folder, names, rank, world, *self._sharing())
+        index, sharers = self._sharing()
+        share = _digest.saved_share(folder, list(sizes), rank, world, index, sharers, sizes)
         return _digest.digests(folder, share)
+
+    def _stages_here(self) -> bool:
+        """Whether this process stages a step's folder: one process per folder, so each node's
+        first for a remote root (the staging folder is on the node), else rank 0."""
+        return runtime.get_local_rank() == 0 if self.store.remote else _is_rank0()
 
     def _sharing(self) -> tuple[int, int]:
         """(this rank's number, how many) among the ranks that see the same copy of a step's
@@ -221,7 +248,9 @@ class Checkpointer:
         skips that, and a file altered since the commit then loads as if it were the saved
         one. A damaged step is a GpufleetError on every rank, except on a retry of the call
         (``max_retries``) when ``step`` is left out: the retry restores the newest intact step
-        instead, with a warning naming the step it skipped and why.
+        instead and moves each damaged step it skipped aside, to ``step-N.damaged``, with a
+        warning naming it, why, and where it now is. Any other failure (a download or read
+        that fails, a state that does not fit) is an error on every rank, retry or not.
         """
         state, engine = _state_of(target, optimizer, extra)
         _check_verify(verify)
@@ -230,7 +259,7 @@ class Checkpointer:
         # Rank 0 decides which steps to try, so that every rank loads the same one even when
         # file listings differ between nodes for a moment.
         candidates = decided(group, lambda: self._candidates(step))
-        skipped: list[_Damage] = []
+        skipped: list[tuple[int, _Damage]] = []
         for i, candidate in enumerate(candidates):
             try:
                 notes = self._load(candidate, dict(state), target, engine, group, verify)
@@ -238,17 +267,17 @@ class Checkpointer:
                 if step is not None or runtime.get_attempt() == 0:
                     advice = _advice(damage, candidates[i + 1:], step)
                     raise GpufleetError(advice) from damage.__cause__
-                skipped.append(damage)
+                skipped.append((candidate, damage))
                 continue
-            notes += [f"{damage}; this retry restored step {candidate} instead, the newest "
-                      "intact step" for damage in skipped]
+            if skipped:
+                notes += self._set_aside(skipped, candidate, group)
             for note in notes:
                 warnings.warn(note, stacklevel=3)
             return candidate
         if skipped:
             raise GpufleetError(
                 f"no intact checkpoint step is left under {self.store.url!r}: "
-                + "; ".join(map(str, skipped))
+                + "; ".join(str(damage) for _, damage in skipped)
                 + ". Move the damaged folders away to start from the beginning"
             )
         return 0
@@ -263,6 +292,28 @@ class Checkpointer:
                               f"{self.store.url!r}; committed steps: {steps or 'none'}")
         return [step]
 
+    def _set_aside(self, skipped: list[tuple[int, "_Damage"]], restored: int,
+                   group: Any) -> list[str]:
+        """Rank 0 moves the damaged steps a retry skipped out of the steps: the saves that
+        follow would replace one (a save of the same step) or delete it (a save drops the
+        steps after it), and damage is only ever proven against what the step holds, so the
+        user gets to see it. The warnings, saying where each step now is."""
+        places = decided(group, lambda: [self._move_aside(*each) for each in skipped])
+        return [f"{damage}; it was moved to {place!r}, where gpufleet leaves it; this retry "
+                f"restored step {restored} instead, the newest intact step"
+                for (_, damage), place in zip(skipped, places)]
+
+    def _move_aside(self, step: int, damage: "_Damage") -> str:
+        """Rank 0: move one damaged step aside; where it now is."""
+        try:
+            return self.store.set_aside(step)
+        except Exception as exc:
+            raise GpufleetError(
+                f"{damage}; moving it aside, so that this retry's saves do not replace or "
+                f"delete it, failed ({in_words(exc)}). Nothing was saved: move the folder away "
+                "yourself (to a name that is not step-N) and run again"
+            ) from exc
+
     def _load(self, step: int, state: dict, target: Any, engine: Any, group: Any,
               verify: bool) -> list[str]:
         """Load one step on every rank, or raise the same error (_Damage: the step's fault)
@@ -272,60 +323,73 @@ class Checkpointer:
         folder = self._local_copy(step, group)
         notes = []
         if verify and "files" in record:
-            self._verify(where, record, folder, group)
+            notes += self._verified(step, record, folder, group)
         elif verify:
             notes.append(f"checkpoint step folder {where!r} was committed without file digests "
                          "(by an earlier gpufleet), so it was loaded unchecked")
         if engine is not None:
             deepspeed = str(folder / "deepspeed")
-            gather(group, lambda: _reading(where, lambda: engine.load_engine(deepspeed)))
+            gather(group, lambda: _reading(where, "loading DeepSpeed's files of",
+                                           lambda: engine.load_engine(deepspeed)))
         reader = SafeReader(folder)
-        gather(group, lambda: _match_checkpoint(state, _reading(where, reader.read_metadata),
-                                                 folder, notes))
+
+        def match() -> None:
+            metadata = _reading(where, "reading the metadata of", reader.read_metadata)
+            _match_checkpoint(state, metadata, folder, notes)
+
+        gather(group, match)
         planner = SafeLoadPlanner()
-        gather(group, lambda: _reading(where, lambda: dcp.load(
+        gather(group, lambda: _reading(where, "loading", lambda: dcp.load(
             state, storage_reader=reader, planner=planner, process_group=group)))
         return notes
 
     def _record(self, step: int, target: Any, engine: Any) -> dict:
         """Rank 0: the step's commit record, checked, and whether the target can load it."""
         where = self.store.where(step)
+        data = _reading(where, "reading the commit record of", lambda: self.store.record(step))
         try:
-            record = self.store.record(step)
-        except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
-            raise _Damage(where, f"its commit record {COMMIT_RECORD} cannot be read "
+            record = json.loads(data)
+        except ValueError as exc:  # not UTF-8, not JSON
+            raise _Damage(where, f"its commit record {COMMIT_RECORD} is not JSON "
                                  f"({in_words(exc)})") from exc
         problem = _digest.record_problem(record)
         if problem:
             raise _Damage(where, problem)
-        if record.get("deepspeed", False) != (engine is not None):
-            raise ConfigError(
-                f"checkpoint step {step} under {self.store.url!r} was saved by strategy "
-                f"{record.get('strategy')!r} and cannot be restored into "
-                f"{_strategy_name(target)!r}: DeepSpeed's files and DCP's differ")
-        if engine is not None and record["world_size"] != runtime.get_world_size():
-            raise ConfigError(
-                f"checkpoint step {step} under {self.store.url!r} was saved by "
-                f"{record['world_size']} ranks and DeepSpeed's partitioned files load only into "
-                f"as many; run with gpus={record['world_size']} (DDP and FSDP checkpoints load "
-                "into any number)")
+        _check_loadable(record, step, self.store.url, target, engine)
         return record
 
-    def _local_copy(self, step: int, group: Any) -> Path:
-        """The step's folder here: for a remote root, downloaded once per node."""
+    def _local_copy(self, step: int, group: Any, again: bool = False) -> Path:
+        """The step's folder here: for a remote root, downloaded once per node (``again``:
+        downloaded even if a copy whose record matches is there)."""
         if self.store.remote:
-            where = self.store.where(step)
-
             def fetch() -> None:
                 if runtime.get_local_rank() == 0:
-                    self.store.fetch(step)
+                    self.store.fetch(step, again=again)
 
-            gather(group, lambda: _reading(where, fetch))
+            gather(group, lambda: _reading(self.store.where(step), "downloading", fetch))
         return self.store.local / step_name(step)
+
+    def _verified(self, step: int, record: dict, folder: Path, group: Any) -> list[str]:
+        """Check the step's files against its record; the warnings to give. A remote step's
+        copy that differs is downloaded once more and checked again before the step counts
+        as damaged: the damage may be the cached copy's alone (fetch keeps a copy whose
+        record matches, whatever became of its other files)."""
+        where = self.store.where(step)
+        try:
+            self._verify(where, record, folder, group)
+            return []
+        except _Damage as damage:
+            if not self.store.remote:
+                raise
+            first = damage.what
+        self._verify(where, record, self._local_copy(step, group, again=True), group)
+        return [f"the cached copy {str(folder)!r} of checkpoint step folder {where!r} differed "
+                f"from its commit record ({first}); it was downloaded again, and that copy "
+                "was intact"]
 
     def _verify(self, where: str, record: dict, folder: Path, group: Any) -> None:
         """Check the files against their digests, each rank a share of its copy; every rank
-        learns of every difference."""
+        learns of every difference. A file that cannot be read is an error, not damage."""
         files, piece_bytes = record["files"], record["digest_method"]["piece_bytes"]
         sizes = {name: entry["bytes"] for name, entry in files.items()}
         index, hands = self._sharing()
@@ -335,7 +399,8 @@ class Checkpointer:
             found = _digest.problems(folder, files, share, piece_bytes)
             return found + (_digest.unlisted(files, staged_files(folder)) if index == 0 else [])
 
-        found = sorted({problem for share in gather(group, check) for problem in share})
+        shares = gather(group, lambda: _reading(where, "checking the files of", check))
+        found = sorted({problem for share in shares for problem in share})
         if found:
             raise _Damage(where, "its files are not those it was committed with: "
                                  + "; ".join(found))
@@ -435,6 +500,21 @@ def _match_checkpoint(state: dict[str, Any], metadata: Any, folder: Any, notes: 
         )
 
 
+def _check_loadable(record: dict, step: int, url: str, target: Any, engine: Any) -> None:
+    """Refuse a step that the target cannot load, whatever its files hold."""
+    if record.get("deepspeed", False) != (engine is not None):
+        raise ConfigError(
+            f"checkpoint step {step} under {url!r} was saved by strategy "
+            f"{record.get('strategy')!r} and cannot be restored into "
+            f"{_strategy_name(target)!r}: DeepSpeed's files and DCP's differ")
+    if engine is not None and record["world_size"] != runtime.get_world_size():
+        raise ConfigError(
+            f"checkpoint step {step} under {url!r} was saved by "
+            f"{record['world_size']} ranks and DeepSpeed's partitioned files load only into "
+            f"as many; run with gpus={record['world_size']} (DDP and FSDP checkpoints load "
+            "into any number)")
+
+
 def _first_failure(exc: BaseException) -> BaseException:
     """DCP reports failures per rank inside a CheckpointException, each paired with its
     frames (a StackSummary, which would print as FrameSummary reprs); the first exception."""
@@ -482,21 +562,28 @@ def _advice(damage: _Damage, older: list[int], chosen: int | None) -> str:
     return (f"{damage}. Nothing was loaded. To resume from the step before it, pass "
             f"step={older[0]} to restore(); or move the damaged folder away (to {moved!r}, say) "
             "and restore() takes the newest step left. A retry of the call (max_retries=) "
-            "skips damaged steps by itself")
+            "skips damaged steps by itself, moving each aside to step-N.damaged")
 
 
-def _reading(where: str, work):
-    """Run ``work``, a part of loading the step at ``where``: what goes wrong is the step's
-    damage, unless it is a GpufleetError about the state it is loaded into."""
+def _reading(where: str, doing: str, work):
+    """Run ``work``, a part of ``doing`` the step at ``where``. Only the safe loaders' verdict
+    that a file is damaged or not plain data is the step's damage (_Damage), which a retry
+    skips; every other failure (a download or read that failed, a state that does not fit
+    the step, memory running out) proves nothing against the step, so it is a plain error
+    that leaves the step where it is."""
     try:
         return work()
-    except DamagedCheckpoint as exc:
-        raise _Damage(where, str(exc)) from exc
-    except GpufleetError:
-        raise
     except (Exception, CheckpointException) as exc:  # CheckpointException: BaseException
         cause = _first_failure(exc)
-        raise _Damage(where, in_words(cause)) from cause
+        if isinstance(cause, DamagedCheckpoint):
+            raise _Damage(where, str(cause)) from cause
+        if isinstance(exc, GpufleetError):  # about the state it is loaded into: already clear
+            raise
+        raise GpufleetError(
+            f"{doing} checkpoint step folder {where!r} failed: {in_words(cause)}. The step is "
+            "not known to be damaged, so a retry does not skip it: fix what failed and run "
+            "again, or pass step= to restore() for another step"
+        ) from cause
 
 
 def _check_verify(verify: Any) -> None:

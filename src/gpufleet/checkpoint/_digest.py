@@ -88,14 +88,23 @@ def deal(names: list[str], sizes: dict[str, int], hands: int) -> list[list[str]]
 
 
 def saved_share(folder: Path, names: list[str], rank: int, world: int, index: int,
-                sharers: int) -> list[str]:
+                sharers: int, sizes: dict[str, int] | None = None) -> list[str]:
     """A rank's share of the files of a step it saved: the data files DCP wrote for it (still
     in its page cache), and a fair part of the rest (DCP's metadata, DeepSpeed's files) among
-    the ``sharers`` ranks that see the same folder, this one being number ``index``."""
+    the ``sharers`` ranks that see the same folder, this one being number ``index``.
+
+    Every file is in exactly one share only if every rank deals the same ``names`` and
+    ``sizes``: a save passes those of the one process that listed the folder (ranks that each
+    list or stat a shared folder can see it differently). Sizes left out are taken here."""
     owners = {name: _owner(name, world) for name in names}
     rest = [name for name in names if owners[name] is None]
-    sizes = {name: (folder / name).stat().st_size for name in rest}
+    if sizes is None:
+        sizes = sizes_of(folder, rest)
     return [name for name in names if owners[name] == rank] + deal(rest, sizes, sharers)[index]
+
+
+def sizes_of(folder: Path, names: list[str]) -> dict[str, int]:
+    return {name: (folder / name).stat().st_size for name in names}
 
 
 def _owner(name: str, world: int) -> int | None:
@@ -133,7 +142,11 @@ def record_problem(record: Any) -> str | None:
 
 
 def problems(folder: Path, files: dict[str, dict], names: list[str], piece_bytes: int) -> list[str]:
-    """How these files of ``folder`` differ from their entries in ``files``: one phrase each."""
+    """How these files of ``folder`` differ from their entries in ``files``: one phrase each.
+
+    A file that is there but cannot be read raises instead (OSError): that proves nothing
+    about the file (a transient I/O error, a permission), and only proven differences may
+    make a retry skip the step."""
     found, intact = [], []
     for name in names:
         try:
@@ -145,10 +158,7 @@ def problems(folder: Path, files: dict[str, dict], names: list[str], piece_bytes
             found.append(f"{name} is {size} bytes, not the {files[name]['bytes']} it had")
         else:
             intact.append(name)
-    try:
-        now = digests(folder, intact, piece_bytes)
-    except OSError as exc:
-        return [*found, f"{exc.filename} cannot be read ({exc.strerror})"]
+    now = digests(folder, intact, piece_bytes)
     found += [f"{name} has changed (its digest differs)" for name in intact
               if now[name]["digest"] != files[name]["digest"]]
     return found

@@ -26,7 +26,8 @@ from gpufleet.errors import GpufleetError
 
 
 class DamagedCheckpoint(GpufleetError):
-    """A file of a checkpoint step is not what a checkpoint holds: cut short, or altered."""
+    """A file of a checkpoint step is not what a checkpoint holds: cut short, or altered. Raised
+    only on proof from the file's content, since a retry skips (and sets aside) such a step."""
 
 
 class ModelState:
@@ -121,6 +122,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         try:
             loaded = torch.load(value, weights_only=True)
+        except MemoryError:
+            raise  # says nothing about the item; never a reason to skip the step as damaged
         except Exception as exc:
             raise DamagedCheckpoint(
                 f"its item {fqn!r} is damaged or is not plain data (tensors, numbers, "

@@ -7,6 +7,8 @@ Layout under a root (a local folder or an fsspec URL):
         deepspeed/                    the DeepSpeed engine's files (ZeRO strategies only)
         gpufleet.json                 the commit record, written last
     step-00000200.partial/      a save in progress, or one that was killed: never read
+    step-00000300.damaged/      a step a retry found damaged and skipped: never read, never
+                                deleted by gpufleet (look at it, then remove it yourself)
 
 A step counts only once ``gpufleet.json`` is in it; the record also holds the size and digest
 of every other file of the step (see ``_digest``). On a local root the step is written as
@@ -15,11 +17,18 @@ of every other file of the step (see ``_digest``). On a local root the step is w
 folder, then uploaded, and the record is uploaded after everything else. Staging folders and
 downloaded copies live under ``$GPUFLEET_HOME/cache/checkpoints/<digest of the URL>``, private
 to the user (folders 0700, files 0600): they hold the weights.
+
+A damaged step that a retry skips is moved aside (``set_aside``) rather than left in place: the
+retry's saves would otherwise replace it (a save of the same step) or delete it (a save of an
+earlier step drops the steps after it), and a damaged step may be mostly sound (a record cut
+short over intact files) and worth recovering by hand. On a remote root the move is a copy and
+a delete, since object stores cannot rename; it happens only on that rare path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import posixpath
@@ -65,9 +74,12 @@ class Store:
 
     def where(self, step: int) -> str:
         """The step's folder as the user named the root: a path, or a URL."""
+        return self._where(step_name(step))
+
+    def _where(self, name: str) -> str:
         if self.remote:
-            return f"{self.url.rstrip('/')}/{step_name(step)}"
-        return str(self.local / step_name(step))
+            return f"{self.url.rstrip('/')}/{name}"
+        return str(self.local / name)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -85,22 +97,25 @@ class Store:
         found = [int(m[1]) for p in self.local.iterdir() if (m := _STEP_DIR.match(p.name))]
         return sorted(s for s in found if (self.local / step_name(s) / COMMIT_RECORD).is_file())
 
-    def record(self, step: int) -> dict[str, Any]:
+    def record(self, step: int) -> bytes:
+        """The step's commit record as stored (parsing it is the caller's: a record that does
+        not parse is damage, a read that fails is not)."""
         if self.remote:
-            text = self.fs.cat_file(self._remote(step, COMMIT_RECORD)).decode()
-        else:
-            text = (self.local / step_name(step) / COMMIT_RECORD).read_text()
-        return json.loads(text)
+            return self.fs.cat_file(self._remote(step, COMMIT_RECORD))
+        return (self.local / step_name(step) / COMMIT_RECORD).read_bytes()
 
-    def fetch(self, step: int) -> Path:
-        """A local folder holding ``step`` (downloaded first from a remote root)."""
+    def fetch(self, step: int, *, again: bool = False) -> Path:
+        """A local folder holding ``step`` (downloaded first from a remote root). A cached copy
+        is used while its record matches the step's; ``again`` downloads it anyway, for a copy
+        whose other files may be damaged (a disk error, a cleaner that cut files)."""
         target = self.local / step_name(step)
         if not self.remote:
             return target
         self._private_cache()
         cached = target / COMMIT_RECORD
         remote_record = self.fs.cat_file(self._remote(step, COMMIT_RECORD))
-        fresh = cached.is_file() and cached.read_bytes() == remote_record  # else absent or re-saved
+        # Not fresh: absent, re-saved since, or (again) suspected of damage in its other files.
+        fresh = not again and cached.is_file() and cached.read_bytes() == remote_record
         if not (fresh and _is_private(target)):  # a copy by an earlier gpufleet may be 0755
             partial = self.local / f"{step_name(step)}.download"
             shutil.rmtree(partial, ignore_errors=True)
@@ -167,9 +182,43 @@ class Store:
         os.replace(staged, final)
         _fsync_dir(self.local)
 
+    def set_aside(self, step: int) -> str:
+        """Move a committed step that was found damaged out of the steps, to the first free
+        name of ``step-N.damaged``, ``step-N.damaged-2``, ...; where it now is."""
+        name = self._aside_name(step)
+        if self.remote:
+            self._copy_remote(step, name)
+            self._delete(step)  # the record first: from then on the step no longer counts
+        else:
+            os.replace(self.local / step_name(step), self.local / name)
+            _fsync_dir(self.local)
+        return self._where(name)
+
+    def _aside_name(self, step: int) -> str:
+        """The first free name among ``step-N.damaged``, ``step-N.damaged-2``, ..."""
+        names = (f"{step_name(step)}.damaged" + (f"-{n}" if n > 1 else "")
+                 for n in itertools.count(1))
+        return next(name for name in names if not self._exists(name))
+
+    def _exists(self, name: str) -> bool:
+        if self.remote:
+            return self.fs.exists(f"{self.path.rstrip('/')}/{name}")
+        return (self.local / name).exists()
+
+    def _copy_remote(self, step: int, name: str) -> None:
+        """Copy every file of a remote step into the folder ``name`` beside it (object stores
+        copy on the server side; nothing is downloaded)."""
+        source = self._remote(step, "")
+        target = f"{self.path.rstrip('/')}/{name}"
+        for path in self.fs.find(source):
+            copy = f"{target}/{posixpath.relpath(path, source)}"
+            self.fs.makedirs(posixpath.dirname(copy), exist_ok=True)  # object stores: a no-op
+            self.fs.copy(path, copy)
+
     def drop_after(self, step: int) -> None:
         """Delete committed steps after ``step``: a run that restored an earlier step and saves
-        again has abandoned them."""
+        again has abandoned them. Steps a retry skipped as damaged are not among them: they
+        were moved aside (``set_aside``) before the run went on."""
         for later in [s for s in self.steps() if s > step]:
             self._delete(later)
 
