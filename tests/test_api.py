@@ -19,8 +19,10 @@ from support import HEAVY_MODULES, PYTHON, run_folders
 
 pytestmark = pytest.mark.timeout(30)
 
-# Rejecting bad input must not launch anything, so it is quick even on a slow machine.
-FAST_FAIL_S = 2.0
+# Rejecting bad input launches nothing (the tests check that no process and no run folder
+# appear), so it takes well under what one call's start takes; the bound allows for a machine
+# loaded by other suites, where even importing CUDA's bindings to count GPUs takes seconds.
+FAST_FAIL_S = 10.0
 
 GLOBAL_LOCK = threading.Lock()
 
@@ -157,21 +159,6 @@ def test_functions_no_rank_could_run_are_refused_at_decoration(target, words, ru
     for word in words:
         assert word in str(info.value), str(info.value)
     assert not run_folders(runs_dir) and not no_leftover_processes.started_since()
-
-
-def test_a_callable_instance_runs_on_every_rank_with_its_state(runs_dir):
-    class Trainer:
-        def __init__(self, lr):
-            self.lr = lr
-            self.options = {"lr": lr}  # its own state: it must not hide the function's methods
-
-        def __call__(self, epochs):
-            return (runtime.get_global_rank(), self.lr * epochs)
-
-    trainer = distributed(gpus=2, runs_dir=runs_dir, logs="none")(Trainer(0.5))
-    assert trainer(4) == (0, 2.0)  # a direct call runs here
-    assert trainer.options(logs="none").distributed(4) == [(0, 2.0), (1, 2.0)]
-    assert "Trainer" in repr(trainer) and run_folders(runs_dir)[0].parent.name.startswith("Trainer-")
 
 
 def _assert_nothing_started(runs_dir, sampler, elapsed):

@@ -143,3 +143,18 @@ def test_direct_call_runs_in_this_process_undistributed(runs_dir):
     # behind would make its own init_process_group() fail and make libraries think they run
     # distributed.
     assert not left_initialized, "a direct call left a default process group in the caller"
+
+
+def test_a_callable_instance_runs_on_every_rank_with_its_state(runs_dir):
+    class Trainer:
+        def __init__(self, lr):
+            self.lr = lr
+            self.options = {"lr": lr}  # its own state: it must not hide the function's methods
+
+        def __call__(self, epochs):
+            return (runtime.get_global_rank(), self.lr * epochs)
+
+    trainer = distributed(gpus=2, runs_dir=runs_dir, logs="none")(Trainer(0.5))
+    assert trainer(4) == (0, 2.0)  # a direct call runs here
+    assert trainer.options(logs="none").distributed(4) == [(0, 2.0), (1, 2.0)]
+    assert "Trainer" in repr(trainer) and run_folders(runs_dir)[0].parent.name.startswith("Trainer-")
