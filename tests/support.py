@@ -274,3 +274,14 @@ def terminal_stdout(monkeypatch) -> Terminal:
     monkeypatch.setenv("TERM", "xterm-256color")
     monkeypatch.setenv("COLUMNS", "160")
     return screen
+
+
+def extensions_cache(request, tmp_path) -> str:
+    """Where DeepSpeed compiles its CPU communication extension (about 30 s on 2 idle cores,
+    minutes on a loaded one): $TORCH_EXTENSIONS_DIR when set (CI sets one per checkout, which
+    tests/test_deepspeed.py fills first), else the pytest cache, so that only the first run
+    compiles it (HOME is private to the test's scripts)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    cache = getattr(request.config, "cache", None)
+    return str(cache.mkdir("torch_extensions") if cache is not None else tmp_path / "extensions")

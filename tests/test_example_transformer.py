@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from support import EXAMPLES, assert_all_gone, rank_lines, script_env
+from support import EXAMPLES, assert_all_gone, extensions_cache, rank_lines, script_env
 
 pytest.importorskip("torch")
 
@@ -45,14 +45,6 @@ def validations(stdout: str) -> dict[int, float]:
     """{step: validation loss} as rank 0 logs it."""
     return {int(m[1]): float(m[2]) for line in rank_lines(stdout, 0)
             if (m := VALIDATION.match(line))}
-
-
-def extensions_cache(request, tmp_path) -> str:
-    """Where DeepSpeed's CPU communication extension is compiled (about 30 s on 2 cores): the
-    pytest cache, so that only the first test run compiles it (HOME is private to the test)."""
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("torch_extensions") if cache is not None else tmp_path / "extensions"
-    return str(folder)
 
 
 @pytest.mark.timeout(3 * SCRIPT_TIMEOUT_S)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support import EXAMPLES, assert_all_gone, script_env
+from support import EXAMPLES, assert_all_gone, extensions_cache, script_env
 
 pytest.importorskip("trl")
 pytest.importorskip("peft")
@@ -43,13 +43,6 @@ def run_example(name: str, run_script, tmp_path, request, *args) -> tuple[str, P
     assert result.returncode == 0, result.explain()
     assert_all_gone(result.tree, what="processes of the example")
     return result.stdout, out
-
-
-def extensions_cache(request, tmp_path) -> str:
-    """DeepSpeed compiles a CPU communication extension on its first start (~30 s on 2 cores):
-    keep it in the pytest cache, so that only the first test run compiles it."""
-    cache = getattr(request.config, "cache", None)
-    return str(cache.mkdir("torch_extensions") if cache is not None else tmp_path / "ext")
 
 
 def check_training(stdout: str, out: Path, strategy: str) -> list[dict]:
