@@ -181,7 +181,7 @@ def read_pid(path: Path) -> int | None:
         return None
 
 
-def ensure_private_dir(root: Path) -> None:
+def ensure_private_dir(root: Path, closed: bool = False) -> None:
     """Create ``root`` if needed, and every missing folder above it, each 0700 (as
     ``Path.mkdir(parents=True)`` would not); refuse a ``root`` that another user owns or could
     write to, and so a ``$GPUFLEET_HOME`` above it (whoever can write there can swap the
@@ -195,8 +195,8 @@ def ensure_private_dir(root: Path) -> None:
         if not folder.exists():
             with contextlib.suppress(FileExistsError):  # made meanwhile: checked all the same
                 folder.mkdir(mode=0o700)
-        if folder in guarded:
-            check_private_dir(folder, writable_only=True)
+        if folder in guarded:  # ``closed``: nobody else may even read ``root`` (caches)
+            check_private_dir(folder, writable_only=not (closed and folder == root))
 
 
 def check_private_dir(path: Path, writable_only: bool = False) -> None:

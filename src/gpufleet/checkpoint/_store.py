@@ -40,7 +40,7 @@ from typing import Any
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
-from gpufleet.rundir import check_private_dir, ensure_private_dir
+from gpufleet.rundir import ensure_private_dir
 
 COMMIT_RECORD = "gpufleet.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -127,15 +127,8 @@ class Store:
 
     def _private_cache(self) -> None:
         """Create the cache folder of a remote root, each level 0700 from $GPUFLEET_HOME
-        down; refuse a level that another user owns or can enter: the copies are weights."""
-        home = _environ.gpufleet_home()
-        ensure_private_dir(home)
-        for folder in (home / "cache", home / "cache" / "checkpoints", self.local):
-            try:
-                folder.mkdir(mode=0o700)
-            except FileExistsError:
-                pass
-            check_private_dir(folder)
+        down; refuse one that another user owns or can enter: the copies are weights."""
+        ensure_private_dir(self.local, closed=True)
 
     # -- writing ------------------------------------------------------------------------------
 
