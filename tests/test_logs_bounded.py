@@ -6,7 +6,7 @@ What a user relies on:
 
 - `gpufleet logs RUN --follow` of a run whose rank wrote 128 MiB uses a few MiB more memory
   than `gpufleet status RUN`, not several times the log's size.
-- `gpufleet.logs.LogFollower` hands over the lines of a large log in order, each once,
+- `gpufleet.watch.logs.LogFollower` hands over the lines of a large log in order, each once,
   whatever byte a read stops at: a line cut by a read comes whole, a bar rewritten with
   carriage returns shows as its last text, and the unfinished last line comes at the end.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpufleet import distributed
-from gpufleet.logs import LogFollower
+from gpufleet.watch.logs import LogFollower
 from support import PYTHON, script_env
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 
 from gpufleet import distributed, log_metrics, runtime
-from gpufleet.logs import LogFollower
-from gpufleet.progress import Status, TerminalDisplay, status_line
+from gpufleet.watch.logs import LogFollower
+from gpufleet.watch.progress import Status, TerminalDisplay, status_line
 from support import Terminal, rank_lines, run_folders, terminal_stdout
 from test_notebook import Kernel, idle, kernel_env  # noqa: F401 - kernel_env is a fixture
 

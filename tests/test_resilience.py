@@ -579,7 +579,7 @@ def test_a_flight_recorder_dump_names_the_unfinished_collective_and_its_caller(r
     synchronize), so a hang's diagnosis also reads PyTorch's flight-recorder dump. Gloo keeps
     the same recorder, so a real dump is made here: rank 0 dumps while its all_reduce waits for
     rank 1, and again once it completed."""
-    from gpufleet import diagnosis
+    from gpufleet.watch import diagnosis
 
     @distributed(gpus=2, runs_dir=runs_dir, env={"TORCH_FR_BUFFER_SIZE": "100"}, timeout=CALL_TIMEOUT_S)
     def dumps_while_waiting(folder):

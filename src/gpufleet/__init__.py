@@ -15,8 +15,8 @@ rank's result or a precise error.
 from gpufleet import runtime
 from gpufleet.tracking import log_metrics
 from gpufleet.api import DistributedFunction, distributed
-from gpufleet.pools import Pool, pool
-from gpufleet.handles import Run, attach, runs
+from gpufleet.launchers.warm import Pool, pool
+from gpufleet.runs.handles import Run, attach, runs
 from gpufleet.errors import (
     ConfigError,
     GpufleetError,

@@ -8,11 +8,11 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Container
+from collections.abc import Collection, Container
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-SUPERVISOR_MODULE = "gpufleet._submitted"  # a submitted run's supervisor (handles.py)
+SUPERVISOR_MODULE = "gpufleet.runs.background"  # a submitted run's supervisor (handles.py)
 SWEEP_POLL_SECONDS = 0.05
 KILL_WAIT_SECONDS = 2.0  # for SIGKILLed processes to vanish (one in the kernel's D state may not)
 
@@ -95,7 +95,7 @@ def _signal_child(pid: int, sig: signal.Signals, parent: int) -> None:
         os.close(handle)
 
 
-def end_run_tree(root: int, grace: float, spare: Container[int] = ()) -> list[int]:
+def end_run_tree(root: int, grace: float, spare: Collection[int] = ()) -> list[int]:
     """``end_tree`` for a run's processes: runs submitted from inside the run (their
     supervisors and everything below them) are spared. A detached one goes on, as it would
     have from anywhere; one that is not ends with its submitter anyway."""
@@ -198,7 +198,7 @@ def kill_groups(pids) -> None:
             kill_group(pid)
 
 
-def kill_group(pgid: int, sig: signal.Signals = signal.SIGKILL) -> bool:
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
     """Signal a whole process group; False when nothing of it is left. Never this process's
     own group: a pid read as 0 (which ``killpg`` takes for the caller's own group), 1, a
     negative one, or the caller's group id from a damaged pid file is refused."""

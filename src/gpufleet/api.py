@@ -8,12 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from gpufleet import calls, handles, runtime
+from gpufleet import runtime
+from gpufleet.runs import execution
+from gpufleet.runs import handles
 from gpufleet.errors import ConfigError
 from gpufleet.options import RunOptions
 
 if TYPE_CHECKING:
-    from gpufleet.handles import Run
+    from gpufleet.runs.handles import Run
 
 R = TypeVar("R")
 
@@ -68,7 +70,7 @@ class DistributedFunction(Generic[R]):
         call = self._prepare(args, kwargs)
         record = call.record(detached=False)
         record.supervised_here()
-        return calls.execute(call, record, on_attempt=self._started)
+        return execution.execute(call, record, on_attempt=self._started)
 
     def submit(self, *args: Any, **kwargs: Any) -> "Run":
         """Start the run in the background and return its handle at once (``gpufleet.Run``:
@@ -78,8 +80,8 @@ class DistributedFunction(Generic[R]):
         call = self._prepare(args, kwargs)
         return handles.submit(call)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> calls.Call:
-        return calls.Call.prepare(
+    def _prepare(self, args: tuple, kwargs: dict) -> execution.Call:
+        return execution.Call.prepare(
             self._fn, args, kwargs, self._options, self.__name__, f"{self.__module__}.{self.__qualname__}",
         )
 

@@ -13,9 +13,16 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from gpufleet import _environ, _script, calls, handles, progress, records
+from gpufleet import _environ
+from gpufleet.rank.script import run_command, run_module, run_script
+from gpufleet.runs import execution
+from gpufleet.runs import handles
+from gpufleet.watch import progress
+from gpufleet.runs import records
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
 from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
 from gpufleet.rundir import runs_root
@@ -69,9 +76,10 @@ def cmd_run(args) -> int:
     words = args.args[1:] if args.args[:1] == ["--"] else args.args
     if args.module == []:
         raise ConfigError("-m needs a module name: gpufleet run [options] -m package.module [args ...]")
+    fn: Callable[[str, list[str]], None]
     if args.module:  # -m takes the rest of the line: the module and its own arguments
         module, *rest = args.module
-        fn, fn_args, name, what, kind = _script.run_module, (module, rest), module, module, "module"
+        fn, fn_args, name, what, kind = run_module, (module, rest), module, module, "module"
         argv = ["-m", module, *rest]
     else:
         if not words:
@@ -79,14 +87,14 @@ def cmd_run(args) -> int:
         script, *rest = words
         if not Path(script).is_file():
             raise ConfigError(f"script {script!r} not found (from {os.getcwd()})")
-        fn, fn_args, name, what, kind = _script.run_script, (script, rest), Path(script).stem, script, "script"
+        fn, fn_args, name, what, kind = run_script, (script, rest), Path(script).stem, script, "script"
         argv = [script, *rest]
     options = RunOptions.create(
         gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_retries=args.max_retries,
         timeout=args.timeout, name=args.name, env=_env_pairs(args.env), runs_dir=args.runs_dir,
         detach=args.detach,
     )
-    call = calls.Call.prepare(fn, fn_args, {}, options, name, what, kind=kind)
+    call = execution.Call.prepare(fn, fn_args, {}, options, name, what, kind=kind)
     if args.detach:
         return _started(handles.submit(call, argv=argv), args.json)
     record = call.record(argv=argv, detached=False)
@@ -96,7 +104,7 @@ def cmd_run(args) -> int:
 
 def cmd_submit(args) -> int:
     """Start a workload file in the background; print its id (or follow it)."""
-    from gpufleet import workload
+    from gpufleet.runs import workload
 
     work = workload.load(args.workload)
     env = dict(work.options.pop("env"))
@@ -105,14 +113,15 @@ def cmd_submit(args) -> int:
     with _naming(work.path):
         options = RunOptions.create(**work.options, env={k: str(v) for k, v in env.items()},
                                     runs_dir=args.runs_dir, detach=True)
-    fn, fn_args = {
-        "script": (_script.run_script, (work.target, work.args)),
-        "module": (_script.run_module, (work.target, work.args)),
-        "command": (_script.run_command, (work.target,)),
-    }[work.entry]
+    entries: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
+        "script": (run_script, (work.target, work.args)),
+        "module": (run_module, (work.target, work.args)),
+        "command": (run_command, (work.target,)),
+    }
+    fn, fn_args = entries[work.entry]
     name = Path(work.target).stem if work.entry == "script" else work.path.stem
     with _naming(work.path):  # e.g. more gpus than this machine has, another gpu_type
-        call = calls.Call.prepare(
+        call = execution.Call.prepare(
             fn, fn_args, {}, options, name, str(work.path), kind=work.entry, params=work.parameters,
         )
     extra = {"MLFLOW_EXPERIMENT_NAME": work.experiment} if work.experiment else {}
@@ -257,9 +266,9 @@ def _age(text: str) -> float:
     return seconds
 
 
-def _foreground(call: calls.Call, record: records.Record) -> int:
+def _foreground(call: execution.Call, record: records.Record) -> int:
     try:
-        calls.execute(call, record)
+        execution.execute(call, record)
     except RunFailedError as exc:
         print(f"gpufleet: {exc}", file=sys.stderr, flush=True)
         return EXIT_OF_STATUS[records.status_of(exc)]
@@ -284,7 +293,7 @@ def _follow_to_end(run: handles.Run) -> int:
             run.result()
         except GpufleetError as exc:
             print(f"gpufleet: {exc}", file=sys.stderr, flush=True)
-    return EXIT_OF_STATUS[status]
+    return EXIT_OF_STATUS[records.RunStatus(status)]
 
 
 def _summary(run: handles.Run) -> dict:

@@ -39,7 +39,7 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -240,8 +240,7 @@ def _parse_state(state: Any) -> tuple[int, int | tuple[int, int]]:
     position = state.get("position") if isinstance(state, dict) else None
     if isinstance(position, list):  # a state that went through JSON or YAML
         position = tuple(position)
-    pair = isinstance(position, tuple) and len(position) == 2 and all(map(_count, position))
-    if _count(epoch) and (_count(position) or (pair and position[1] > 0)):
+    if _count(epoch) and (_count(position) or _files_and_ranks(position)):
         return epoch, position
     raise ConfigError(
         f"loader state {state!r} is not one that ResumableLoader.state_dict() returns: "
@@ -249,8 +248,13 @@ def _parse_state(state: Any) -> tuple[int, int | tuple[int, int]]:
     )
 
 
-def _count(value: Any) -> bool:
+def _count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _files_and_ranks(value: Any) -> TypeGuard[tuple[int, int]]:
+    """A position of this version: (files read, number of ranks)."""
+    return isinstance(value, tuple) and len(value) == 2 and all(map(_count, value)) and value[1] > 0
 
 
 def loader(
@@ -275,7 +279,7 @@ def loader(
         num_workers = min(8, max(1, (os.cpu_count() or 2) // _environ.local_world_size() - 1))
     _warn_if_ranks_disagree(num_workers)
     dataset.chunk_size = batch_size
-    options = dict(
+    options: dict[str, Any] = dict(
         batch_size=batch_size,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
@@ -291,7 +295,7 @@ def _warn_if_ranks_disagree(num_workers: int) -> None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    counts = [None] * dist.get_world_size()
+    counts: list[int | None] = [None] * dist.get_world_size()
     dist.all_gather_object(counts, num_workers)
     if len(set(counts)) > 1:
         warnings.warn(

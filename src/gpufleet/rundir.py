@@ -1,4 +1,8 @@
-"""The run folder: where a call's payload, logs, results and reports live (docs/design.md)."""
+"""The folders both sides of a run share: where the ranks and their launcher write their logs,
+results and reports, and where the watcher reads them (docs/design.md, "Run folder").
+
+``RunDir`` is one start of ranks (a warm pool's folder); ``Attempt`` is one try of a run, a
+folder inside the run's own (``runs/records.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from gpufleet import _environ, _process
@@ -32,7 +37,7 @@ class RunDir:
 
     @classmethod
     def create_at(cls, path: Path) -> "RunDir":
-        """A new private run folder at ``path`` (an attempt of a run: ``records.py``)."""
+        """A new private folder at ``path``, with its per-rank subfolders."""
         path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
         for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl", "timings"):
             (path / sub).mkdir(mode=0o700)
@@ -40,9 +45,6 @@ class RunDir:
 
     @property
     def name(self) -> str:
-        """The folder's name; an attempt of a run is named with its run: ``<id>.attempt-N``."""
-        if self.path.name.startswith("attempt-"):
-            return f"{self.path.parent.name}.{self.path.name}"
         return self.path.name
 
     @property
@@ -126,16 +128,55 @@ class RunDir:
 
     @property
     def cancel_request(self) -> Path | None:
-        """Exists once someone asked to cancel the run this attempt belongs to (``Run.cancel()``);
-        None for a folder that is no run's attempt (a warm pool's)."""
-        if not self.path.name.startswith("attempt-"):
-            return None
-        return self.path.parent / CANCEL_REQUEST
+        """None: no run can be cancelled through this folder (a warm pool's); see ``Attempt``."""
+        return None
 
     @property
     def stop_request(self) -> Path:
         """Exists once the caller was asked to stop (SIGTERM): ``runtime.should_stop()``."""
         return self.path / "stop-requested"
+
+
+@dataclass(frozen=True)
+class Attempt(RunDir):
+    """One try of a run: ``<run folder>/attempt-N``; a retry is the next attempt."""
+
+    number: int = 0
+
+    @classmethod
+    def start(cls, run_folder: Path, number: int) -> "Attempt":
+        """A new attempt's folder in the run's."""
+        return cls(RunDir.create_at(attempt_folder(run_folder, number)).path, number)
+
+    @property
+    def run_id(self) -> str:
+        return self.path.parent.name
+
+    @property
+    def name(self) -> str:
+        """``<run id>.attempt-N``: unique among every run's attempts."""
+        return f"{self.run_id}.{self.path.name}"
+
+    @property
+    def cancel_request(self) -> Path:
+        """Exists once someone asked to cancel the run (``Run.cancel()``)."""
+        return self.path.parent / CANCEL_REQUEST
+
+
+def attempt_folder(run_folder: Path, number: int) -> Path:
+    return run_folder / f"attempt-{number}"
+
+
+class LauncherState(str, Enum):
+    """What a launcher's report (``agent.json``) says of its ranks: still going, or how they
+    ended. No report at all once the launcher is gone means it was lost."""
+
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # by a signal to the launcher
+    ERROR = "error"  # the launcher itself failed (its report holds the traceback)
+    LOST = "lost"
 
 
 def runs_root(runs_dir: Path | None) -> Path:

@@ -12,7 +12,8 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from gpufleet import _environ, timings
 from gpufleet.rundir import RunDir
@@ -36,6 +37,7 @@ __all__ = [
 HEARTBEAT_EVERY_S = 1.0  # at most one file touch per second, however often heartbeat() is called
 _last_heartbeat = 0.0
 _stop_group = None  # (default group it was made under, gloo group) of should_stop()
+_call_end_hooks: list[Callable[[], None]] = []  # see _at_call_end()
 
 
 def get_global_rank() -> int:
@@ -175,7 +177,7 @@ def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch
         timings.mark("cuda_ready")
     if not dist.is_available() or dist.is_initialized():
         return device
-    options = {
+    options: dict[str, Any] = {
         "backend": backend or ("nccl" if device.type == "cuda" else "gloo"),
         "device_id": device if device.type == "cuda" else None,
         "timeout": datetime.timedelta(seconds=timeout) if timeout else None,
@@ -211,9 +213,14 @@ def _direct_call():
             dist.destroy_process_group()
 
 
+def _at_call_end(hook: Callable[[], None]) -> None:
+    """Run ``hook`` whenever the user's function returns, before its call ends (checkpoints
+    register theirs when imported)."""
+    _call_end_hooks.append(hook)
+
+
 def _finish_saves() -> None:
-    """Wait for checkpoint saves still in flight: a call ends only once they are published,
-    and an error while saving is the call's error."""
-    checkpoint = sys.modules.get("gpufleet.checkpoint")
-    if checkpoint is not None:
-        checkpoint.wait_all()
+    """Run the call-end hooks in order: wait for checkpoint saves still in flight, so that a
+    call ends only once they are published, and an error while saving is the call's error."""
+    for hook in _call_end_hooks:
+        hook()

@@ -22,12 +22,15 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpufleet import _environ, runtime
 from gpufleet.errors import ConfigError
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
+
+if TYPE_CHECKING:
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 DEFAULT_EXPERIMENT = "gpufleet"
 CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
@@ -47,7 +50,7 @@ class Tracking:
         self.experiment_id = experiment_id
         self.uri = uri
         self.owned = owned  # created by gpufleet (so gpufleet sets its final status)
-        self.monitor = None
+        self.monitor: SystemMetricsMonitor | None = None
 
     @classmethod
     def start(cls, name: str, params: dict[str, Any], joined: str | None) -> "Tracking":
@@ -103,7 +106,7 @@ class Tracking:
         path = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
         parts = urllib.parse.urlsplit(self.uri)
         if parts.scheme in ("http", "https"):
-            host = parts.hostname + (f":{parts.port}" if parts.port else "")
+            host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
             return f": {parts.scheme}://{host}{parts.path.rstrip('/')}/{path}"
         if parts.scheme in ("sqlite", "file", ""):
             return f" (see it: mlflow ui --backend-store-uri {self.uri}, then {path})"
@@ -317,7 +320,7 @@ class _ProgressNotes:
     (the first note of a run at once); a newer note waits for a timer, or for the rank's
     exit, so the file ends with the last one."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: tuple[Path, bytes] | None = None
         self._last: tuple[Path, float] | None = None  # where and when (monotonic) it last wrote
@@ -357,6 +360,8 @@ class _ProgressNotes:
                 self._write()
 
     def _write(self) -> None:  # with the lock held
+        if self._pending is None:
+            return
         path, data = self._pending
         self._pending, self._last = None, (path, time.monotonic())
         try:

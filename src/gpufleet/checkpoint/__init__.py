@@ -433,6 +433,9 @@ def wait_all() -> None:
         checkpointer.close()
 
 
+runtime._at_call_end(wait_all)
+
+
 def _state_of(target: Any, optimizer: Any, extra: dict | None) -> tuple[dict[str, Any], Any]:
     """The DCP state for ``target`` (and the DeepSpeed engine that saves itself, if any)."""
     from gpufleet.strategies import Prepared

@@ -18,6 +18,7 @@ def rank_in(group: Any) -> int:
 def agree(group: Any, step: int, stage: str, work) -> list:
     """Run ``work`` here, then tell every rank whether it worked on every rank; raise if not,
     naming each rank's failure. Every rank's result, in rank order."""
+    outcome: tuple[Any, str | None]
     try:
         outcome = (work(), None)
     except Exception as exc:

@@ -79,7 +79,8 @@ def _ranks_here() -> int:
 def deal(names: list[str], sizes: dict[str, int], hands: int) -> list[list[str]]:
     """The files dealt to ``hands`` ranks, largest first to the least loaded: the same on
     every rank that deals the same files."""
-    loads, dealt = [0] * hands, [[] for _ in range(hands)]
+    loads = [0] * hands
+    dealt: list[list[str]] = [[] for _ in range(hands)]
     for name in sorted(names, key=lambda n: (-sizes[n], n)):
         hand = loads.index(min(loads))
         dealt[hand].append(name)

@@ -151,9 +151,10 @@ class SafeReader(FileSystemReader):
             ) from exc
         if not isinstance(metadata, Metadata):
             raise DamagedCheckpoint(f"its metadata {str(path)!r} is not DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None)
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
         return metadata
 
 

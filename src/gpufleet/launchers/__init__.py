@@ -1,17 +1,57 @@
-"""How the processes of a run start. A name → module registry, so an engine's SDK is imported
-only when that engine is chosen."""
+"""How the ranks of a run start: one module per way, each with a ``place`` function and a
+``Launcher`` (``base.py`` says what both do). A registry of names, so that an engine's SDK is
+imported only when that engine is chosen.
+
+    local  every rank on this machine, started fresh for each attempt (``local.py``)
+    warm   on the ranks of a warm pool, when one serves the run (``warm.py``)
+    ray    on the GPUs of a Ray cluster: ``remote=True`` (``ray.py``)
+"""
 
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from gpufleet.errors import ConfigError
 
-_LAUNCHERS = {"local": "gpufleet.launchers.local", "ray": "gpufleet.launchers.ray"}
+if TYPE_CHECKING:
+    from gpufleet.launchers.base import Gate, Launcher
+    from gpufleet.launchers.hardware import Placement
+    from gpufleet.options import RunOptions
+
+_LAUNCHERS = {
+    "local": ("gpufleet.launchers.local", "LocalLauncher"),
+    "warm": ("gpufleet.launchers.warm", "WarmLauncher"),
+    "ray": ("gpufleet.launchers.ray", "RayLauncher"),
+}
+REMOTE = ("ray",)  # the launchers that ``remote=`` names
 
 
-def get(name: str) -> ModuleType:
+def place(options: RunOptions) -> Placement:
+    """Where the run's ranks go (how many, on which device); ConfigError when they cannot.
+    A remote launcher connects to its cluster to know."""
+    return _module(_remote(options) or "local").place(options)
+
+
+def for_run(placement: Placement, options: RunOptions, gate: Gate) -> Launcher:
+    """The run's launcher: its cluster's with ``remote=``; a warm pool's when one serves the
+    run (``gpufleet.pool``, ``warm=True``); else cold starts on this machine."""
+    name = _remote(options) or ("warm" if _pooled(placement, options) else "local")
+    return getattr(_module(name), _LAUNCHERS[name][1])(placement, options, gate)
+
+
+def _remote(options: RunOptions) -> str | None:
+    """The engine ``remote=`` names (checked: True was made the first one)."""
+    return options.remote if isinstance(options.remote, str) else None
+
+
+def _module(name: str) -> Any:
     if name not in _LAUNCHERS:
         raise ConfigError(f"unknown launcher {name!r}; valid launchers: {', '.join(_LAUNCHERS)}")
-    return importlib.import_module(_LAUNCHERS[name])
+    return importlib.import_module(_LAUNCHERS[name][0])
+
+
+def _pooled(placement: Placement, options: RunOptions) -> bool:
+    from gpufleet.launchers import warm
+
+    return warm.for_call(options, placement) is not None

@@ -23,8 +23,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-from gpufleet import _environ, _process, _worker, timings
+from gpufleet import _environ, _process, timings
+from gpufleet.rank import worker
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir, rank_groups
 
@@ -35,7 +37,7 @@ SHUTDOWN_GRACE_SECONDS = 5
 DAEMON_GRACE_SECONDS = 2.0
 REAP_EVERY_SECONDS = 1.0
 RENDEZVOUS_BACKEND = "gpufleet-loopback"
-TEMPLATE_PRELOAD = ["gpufleet.launchers._template", "torch", "torch.distributed", "gpufleet._worker"]
+TEMPLATE_PRELOAD = ["gpufleet.launchers._template", "torch", "torch.distributed", "gpufleet.rank.worker"]
 LOOPBACK = "127.0.0.1"
 
 
@@ -99,7 +101,7 @@ def _launch(run: RunDir, nprocs: int, own: set[int]) -> dict:
         _report_every_failed_rank()
         timings.mark("launcher_ready")
         timings.write_rank(run.agent_timings)
-        elastic_launch(_config(run, nprocs), _worker.main)(str(run.path))
+        elastic_launch(_config(run, nprocs), worker.main)(str(run.path))
     except ChildFailedError as exc:
         return {"state": "failed", "failures": _failures(exc)}
     except SignalException as exc:
@@ -135,7 +137,7 @@ def _config(run: RunDir, nprocs: int):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    options = dict(
+    options: dict[str, Any] = dict(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
@@ -200,7 +202,7 @@ def _report_every_failed_rank() -> None:
                 )
         return result
 
-    api.MultiprocessContext._poll = poll_every_rank
+    setattr(api.MultiprocessContext, "_poll", poll_every_rank)
 
 
 def _returned_nothing(context, processes):

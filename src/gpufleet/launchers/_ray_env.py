@@ -15,6 +15,7 @@ import platform
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import gpufleet
 from gpufleet.errors import ConfigError
@@ -48,7 +49,7 @@ def build(options, cwd: Path) -> tuple[dict, list[str]]:
     else:
         working_dir = str(cwd)
     skip = Path(working_dir).resolve() if working_dir and "://" not in working_dir else None
-    env = {
+    env: dict[str, Any] = {
         "py_modules": [_GPUFLEET_DIR, *local_modules(skip), *_listed(user, "py_modules")],
         "excludes": DEFAULT_EXCLUDES + _listed(user, "excludes"),
     }
@@ -153,9 +154,10 @@ def upload(runtime_env: dict) -> dict:
         ) from exc
     try:
         with tempfile.TemporaryDirectory(prefix="gpufleet-upload-") as scratch:
-            options = {"include_gitignore": True, "scratch_dir": scratch}
-            env = upload_py_modules_if_needed(dict(runtime_env), **options)
-            env = upload_working_dir_if_needed(env, **options)
+            env = upload_py_modules_if_needed(
+                dict(runtime_env), include_gitignore=True, scratch_dir=scratch
+            )
+            env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
         env.pop("excludes", None)  # applied while packing
         RuntimeEnv(**env)  # Ray's own validation, before anything starts
     except (ValueError, TypeError, OSError, RuntimeEnvSetupError) as exc:
@@ -171,7 +173,7 @@ def check_versions(nodes: dict[str, dict]) -> None:
     """Raise ConfigError unless every node (``label -> description``) runs this process's
     Python (major.minor) and torch release, and has cloudpickle."""
     python = _minor(platform.python_version())
-    torch = _release(_version("torch"))
+    torch = _release(version("torch"))
     wrong = []
     for label, node in nodes.items():
         found = []
@@ -193,7 +195,8 @@ def check_versions(nodes: dict[str, dict]) -> None:
         )
 
 
-def _version(distribution: str) -> str | None:
+def version(distribution: str) -> str | None:
+    """The installed release of ``distribution``; None when it is not installed."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:

@@ -1,8 +1,8 @@
-"""A running Ray job as the supervisor sees an agent process, and the thread that mirrors it.
+"""A running Ray job as the watcher drives it (``launchers.base.Job``), and the thread that
+mirrors it.
 
-``RayJob`` has the part of ``subprocess.Popen`` the supervisor uses (``poll``, ``wait``,
-``send_signal``) and ``release`` in place of killing local process groups: its processes are
-on other machines, and their pids mean nothing here. A pump thread polls every rank's actor
+``RayJob``'s ``release`` ends its actors and placement group in place of killing local
+process groups: its processes are on other machines, and their pids mean nothing here. A pump thread polls every rank's actor
 (``_ray_node.RankNode``) and mirrors what the rank wrote into the caller's run folder: log
 bytes, stacks, heartbeats, timings, the result, then the exit status. So the supervisor's log
 following, timeouts, hang detection and result collection work unchanged. The pump is also the
@@ -22,10 +22,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpufleet import diagnosis
-from gpufleet.monitor import STACKS_WAIT_S, RunMonitor
+from gpufleet.launchers.base import Job
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import Attempt, LauncherState
+from gpufleet.watch import diagnosis
+from gpufleet.watch.monitor import STACKS_WAIT_S, RunMonitor
 
 PUMP_SECONDS = 0.05  # between two rounds of polls
 STOP_GRACE_SECONDS = 5.0  # SIGTERM, then SIGKILL: as elastic's agent does locally
@@ -66,17 +67,16 @@ class RankActor:
         return self.lost is not None or (self.exit is not None and (self.exit != 0 or not self.returned))
 
 
-class RayJob:
+class RayJob(Job):
     """The ranks of one attempt on a Ray cluster, their actors and placement group."""
 
-    remote = True  # the supervisor releases it instead of killing local process groups
-
-    def __init__(self, run: RunDir):
-        self.run = run
+    def __init__(self, run: Attempt):
+        self.run = self.attempt = self.reports = run
+        self.world_size = 0  # once started
+        self.stamps: dict[str, float] = {}
         self.group = None  # the placement group, once asked for
         self.actors: list = []  # one per bundle, in bundle order
         self.ranks: list[RankActor] = []  # in rank order, once started
-        self.monitor: RemoteMonitor | None = None  # once the ranks are known
         self.returncode: int | None = None
         self._done = threading.Event()
         self._quit = threading.Event()
@@ -88,7 +88,7 @@ class RayJob:
         self._released = False
         self._pump_thread = threading.Thread(target=self._pump, name="gpufleet-ray-pump", daemon=True)
 
-    # -- the part of Popen the supervisor uses ----------------------------------------------
+    # -- what the watcher drives ------------------------------------------------------------
 
     def poll(self) -> int | None:
         return self.returncode
@@ -98,18 +98,22 @@ class RayJob:
             raise subprocess.TimeoutExpired("the ranks on the Ray cluster", timeout)
         return self.returncode
 
-    def send_signal(self, signum: int) -> None:
-        """The supervisor stops the run (timeout, hang, Ctrl-C, end of a grace period)."""
+    def stop(self) -> None:
+        """The watcher stops the run (timeout, hang, Ctrl-C, end of a grace period)."""
         self._stopped_by_caller = True
         self._stop()
+
+    def describe(self) -> str:
+        return f"the Ray job of {self.run.name}"
 
     # -- start and release ------------------------------------------------------------------
 
     def start(self, ranks: list[RankActor]) -> "RayJob":
         self.ranks = ranks
+        self.world_size = len(ranks)
         self.monitor = RemoteMonitor(self.run, len(ranks), self)
         self._hosts = {str(r.rank): r.where for r in ranks}
-        self._report({"state": "running"})
+        self._report({"state": LauncherState.RUNNING})
         self._pump_thread.start()
         return self
 
@@ -298,11 +302,11 @@ class RayJob:
             elif r.failed:  # an exit code, or an exit 0 before the rank returned
                 failures[str(r.rank)] = {"exitcode": r.exit, "time": r.ended_at}
         if stopped or self._stopped_by_caller:
-            state = "stopped"
+            state = LauncherState.STOPPED
         else:
-            state = "failed" if failures else "succeeded"
+            state = LauncherState.FAILED if failures else LauncherState.SUCCEEDED
         self._report({"state": state, "failures": failures})
-        self.returncode = 0 if state == "succeeded" else 1
+        self.returncode = 0 if state == LauncherState.SUCCEEDED else 1
         self._done.set()
 
     # -- the launcher's own files ----------------------------------------------------------
@@ -351,7 +355,7 @@ class RemoteMonitor(RunMonitor):
     from the mirrored files, stacks from the ranks' actors. Nothing is read from this
     machine's /proc or cgroups: those would be another process's."""
 
-    def __init__(self, run: RunDir, world_size: int, job: RayJob):
+    def __init__(self, run: Attempt, world_size: int, job: RayJob):
         super().__init__(run, world_size)
         self.job = job
 

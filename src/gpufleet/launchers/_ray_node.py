@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from gpufleet import _environ, _process
-from gpufleet.launchers._ray_env import _version
-from gpufleet.monitor import _dump_since
+from gpufleet._stacks import dump_since
+from gpufleet.launchers._ray_env import version
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
@@ -42,7 +42,7 @@ class RankNode:
     """One rank's actor. Its methods run one at a time on the actor's main thread, which
     matters: the rank dies with the thread that started it (PR_SET_PDEATHSIG)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._rank = 0
         self._root: Path | None = None  # a private temporary folder holding the run folder
         self._run: RunDir | None = None
@@ -68,8 +68,8 @@ class RankNode:
             "cpus": _cores(),
             "interface": interface_of(ip),
             "python": platform.python_version(),
-            "torch": _version("torch"),
-            "cloudpickle": _version("cloudpickle"),
+            "torch": version("torch"),
+            "cloudpickle": version("cloudpickle"),
             "pid": os.getpid(),
         }
 
@@ -107,8 +107,8 @@ class RankNode:
         """What the rank wrote since the last poll, and its exit status once it ended. The
         status is read first and the files after it, so a reported exit comes with everything
         the rank wrote; a result or an exit is held back until the log before it is all sent."""
-        run, rank = self._run, self._rank
-        code = self._proc.poll()
+        (run, proc), rank = self._started(), self._rank
+        code = proc.poll()
         answer: dict = {"exit": None}
         if not self._started_sent and run.pid_file(rank).exists():
             answer["started"] = self._started_sent = True
@@ -134,7 +134,8 @@ class RankNode:
         """A file the caller writes for its ranks: the MLflow run, a stop request."""
         if name not in CALLER_FILES:
             raise ValueError(f"{name!r} is not a file the caller hands to ranks")
-        write_private(self._run.path / name, data)
+        run, _ = self._started()
+        write_private(run.path / name, data)
 
     def signal(self, signum: int) -> None:
         """Signal the rank's process group (the rank and what it spawned)."""
@@ -144,15 +145,18 @@ class RankNode:
 
     def stacks(self, wait_s: float) -> str | None:
         """Every thread's stack of the rank (faulthandler, on SIGUSR1), once written whole."""
-        path, proc = self._run.stacks(self._rank), self._proc
-        if proc is None or proc.poll() is not None or not self._run.pid_file(self._rank).exists():
+        run, proc = self._run, self._proc
+        if run is None or proc is None or proc.poll() is not None:
+            return None
+        if not run.pid_file(self._rank).exists():
             return None  # before its pid file, SIGUSR1 would still kill it
+        path = run.stacks(self._rank)
         offset = path.stat().st_size if path.exists() else 0
         os.kill(proc.pid, signal.SIGUSR1)
         end = time.monotonic() + wait_s
         while time.monotonic() < end:
             time.sleep(0.1)
-            text = _dump_since(path, offset)
+            text = dump_since(path, offset)
             if text is not None:
                 return text
         return None
@@ -185,11 +189,18 @@ class RankNode:
 
     def _stable_stacks(self) -> bytes:
         """faulthandler writes a dump frame by frame: send it once it stopped growing."""
-        size = _size(self._run.stacks(self._rank))
+        path = self._started()[0].stacks(self._rank)
+        size = _size(path)
         grew, self._stacks_size = size != self._stacks_size, size
         if grew or size == self._sent["stacks"]:
             return b""
-        return self._read_new("stacks", self._run.stacks(self._rank))[0]
+        return self._read_new("stacks", path)[0]
+
+    def _started(self) -> tuple[RunDir, subprocess.Popen]:
+        """The rank's run folder and process, once ``start`` made them."""
+        if self._run is None or self._proc is None:
+            raise RuntimeError("the rank has not been started on this node")
+        return self._run, self._proc
 
 
 def interface_of(ip: str) -> str | None:
@@ -241,13 +252,13 @@ def main(argv: list[str]) -> None:
     """The rank's process: gpufleet's worker entry on the node's run folder. torch is
     imported first, as the local ranks' template does, so that its import is the process's
     start-up and not silence in the user's function (``hang_timeout``). The result is written
-    before ``_worker.main`` returns; the process then leaves without C++ static destructors,
+    before ``worker.main`` returns; the process then leaves without C++ static destructors,
     where gloo often aborts (docs/design.md)."""
     import torch.distributed  # noqa: F401
 
-    from gpufleet import _worker
+    from gpufleet.rank import worker
 
-    _worker.main(argv[1])
+    worker.main(argv[1])
     os._exit(0)
 
 

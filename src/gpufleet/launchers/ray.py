@@ -25,13 +25,14 @@ from pathlib import Path
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
-from gpufleet.hardware import CPU_DEFAULT_PROCESSES, Placement
+from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
 from gpufleet.launchers import _ray_env
 from gpufleet.launchers._ray_job import RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir
+from gpufleet.launchers.base import Gate, Launcher
+from gpufleet.rundir import Attempt, RunDir
 
 CPUS_PER_RANK = 1  # reserved per bundle; Ray does not limit a process to it
 ACCELERATOR_SHARE = 0.001  # of a node's accelerator_type resource: pins bundles to that model
@@ -70,10 +71,33 @@ class RayPlan:
     placement: ClusterPlacement
     placement_timeout: float
     timeout: float | None  # the call's, for messages
+    attempt: Attempt  # where the ranks' reports are mirrored
 
     @property
     def nprocs(self) -> int:
         return len(self.bundles)
+
+    def describe(self) -> str:
+        bundle = ", ".join(f"{k}: {v:g}" for k, v in self.bundles[0].items()) if self.bundles else ""
+        return (f"{self.nprocs} ranks on the Ray cluster at {self.placement.address}: one bundle "
+                f"each ({bundle}), strategy {self.strategy}, runtime_env fields "
+                f"{', '.join(sorted(self.runtime_env)) or 'none'}")
+
+
+class RayLauncher(Launcher[RayPlan]):
+    """The ranks of each attempt on the Ray cluster that ``place`` connected to."""
+
+    def __init__(self, placement: ClusterPlacement, options: RunOptions, gate: Gate):
+        self.placement = placement
+        self.options = options
+        self.gate = gate
+
+    def plan(self, attempt: Attempt, env: dict[str, str]) -> RayPlan:
+        return plan(attempt, self.placement, self.options, attempt.number, env)
+
+    def launch(self, plan: RayPlan) -> RayJob:
+        deadline = self.gate.begin()  # the cluster's wait for room counts against the timeout
+        return launch(plan, deadline)
 
 
 @dataclass(frozen=True)
@@ -247,7 +271,7 @@ def _accelerator(gpu_type: str, nodes: list[dict], address: str) -> str:
 
 
 def plan(
-    run: RunDir, placement: ClusterPlacement, options: RunOptions, attempt: int = 0,
+    run: Attempt, placement: ClusterPlacement, options: RunOptions, attempt: int = 0,
     extra_env: dict[str, str] | None = None,
 ) -> RayPlan:
     """What to ask Ray for. The rank variables wait for the layout (``rank_env``); the
@@ -275,6 +299,7 @@ def plan(
         placement=placement,
         placement_timeout=options.placement_timeout,
         timeout=options.timeout,
+        attempt=run,
     )
 
 
@@ -354,7 +379,7 @@ def _gpu_key(gpus: list[str]) -> tuple:
 # -- launch ---------------------------------------------------------------------------------
 
 
-def launch(launch_plan: RayPlan, run: RunDir, deadline: float | None = None) -> RayJob:
+def launch(launch_plan: RayPlan, deadline: float | None = None) -> RayJob:
     """Place, start and return the job; on any failure (Ctrl-C too) release what was made."""
     import ray
     from ray.util.placement_group import placement_group
@@ -362,6 +387,7 @@ def launch(launch_plan: RayPlan, run: RunDir, deadline: float | None = None) -> 
     for note in launch_plan.notes:
         print(f"gpufleet: {note}", file=sys.stderr, flush=True)
     runtime_env = _ray_env.upload(launch_plan.runtime_env)
+    run = launch_plan.attempt
     payload = ray.put(_without_caller_path(run.payload.read_bytes()))
     phases = {"started": time.time()}
     job = RayJob(run)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from gpufleet.errors import ConfigError
-from gpufleet.strategies._base import Prepared, check_common
+from gpufleet.strategies._base import Prepared, StrategyOptions, check_common
 from gpufleet.strategies.ddp import DDP
 from gpufleet.strategies.deepspeed import ZeRO
 from gpufleet.strategies.fsdp import FSDP
@@ -29,7 +29,7 @@ from gpufleet.strategies.fsdp import FSDP
 __all__ = ["NAMES", "Prepared", "prepare", "resolve", "DDP", "FSDP", "ZeRO"]
 
 # name -> (options class, options the name fixes)
-_REGISTRY: dict[str, tuple[type, dict[str, Any]]] = {
+_REGISTRY: dict[str, tuple[type[StrategyOptions], dict[str, Any]]] = {
     "ddp": (DDP, {}),
     "fsdp": (FSDP, {}),
     "zero1": (ZeRO, {"stage": 1}),
@@ -55,8 +55,9 @@ def resolve(strategy: Any = "ddp", **options: Any) -> Any:
                 f"use {cls.__name__}({', '.join(f'{k}=...' for k in sorted(clash))})"
             )
         return cls.from_options(**fixed, **options)
-    if isinstance(strategy, type) and strategy in {cls for cls, _ in _REGISTRY.values()}:
-        return strategy.from_options(**options)  # the class itself: its defaults
+    registered = next((cls for cls, _ in _REGISTRY.values() if cls is strategy), None)
+    if registered is not None:  # the class itself: its defaults
+        return registered.from_options(**options)
     if hasattr(strategy, "prepare") and hasattr(strategy, "from_options"):
         if options:
             raise ConfigError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, cast
 
 import torch
 
@@ -56,6 +56,8 @@ def check_common(*, optimizer, scheduler, grad_accum, clip_grad_norm, precision)
 class StrategyOptions:
     """Mixin for a strategy's frozen dataclass of options: building it from keywords."""
 
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
     @classmethod
     def from_options(cls, **options: Any):
         names = [f.name for f in dataclasses.fields(cls)]
@@ -84,7 +86,7 @@ def build_optimizer(optimizer: Any, model: torch.nn.Module, names: dict[int, str
         return optimizer(model.parameters())
     current = dict(model.named_parameters())
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    if all(current.get(names.get(id(p))) is p for p in held):
+    if all(current.get(names.get(id(p), "")) is p for p in held):
         return optimizer  # the strategy kept the parameters (DDP)
     groups = []
     for group in optimizer.param_groups:
@@ -171,7 +173,7 @@ class Prepared:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=options)
+        return cast("dict[str, torch.Tensor]", get_model_state_dict(self.model, options=options))
 
     # -- the counters a checkpoint keeps (model and optimizer are saved by gpufleet.checkpoint) --
 

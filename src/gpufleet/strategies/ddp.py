@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -36,16 +37,17 @@ class DDP(StrategyOptions):
         device = setup_device()
         names = parameter_names(model)
         model = model.to(device)
+        bucket: dict[str, Any] = {"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb else {}
         ddp = DistributedDataParallel(
             model,
             device_ids=[device] if device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters,
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
-            **({"bucket_cap_mb": self.bucket_cap_mb} if self.bucket_cap_mb else {}),
+            **bucket,
         )
         if common.precision_on(device) == "bf16":
-            ddp.forward = _autocast(ddp.forward, device.type)
+            setattr(ddp, "forward", _autocast(ddp.forward, device.type))
         if self.compile:
             # Compiled after wrapping, so that Dynamo splits the graph at DDP's bucket
             # boundaries and each bucket's all-reduce overlaps the rest of the backward pass

@@ -90,7 +90,7 @@ class FSDP(StrategyOptions):
         if on_meta:  # too large to build whole: each rank materialises only its shards
             model.to_empty(device=device)
             with torch.no_grad():
-                model.init_weights()
+                getattr(model, "init_weights")()
         optimizer = build_optimizer(common.optimizer, model, names)
         scheduler = common.scheduler(optimizer) if common.scheduler else None
         return PreparedFSDP(

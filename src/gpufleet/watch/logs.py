@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
-from gpufleet.progress import PlainDisplay
+from gpufleet.watch.progress import PlainDisplay
 
 TAIL_LINES = 15
 TAIL_BYTES = 64 * 1024
@@ -68,7 +68,7 @@ def _last_rewrite(partial: bytes) -> bytes:
 class _RankLog:
     def __init__(self, path: Path):
         self.path = path
-        self.file = None
+        self.file: BinaryIO | None = None
         self.partial = b""
         self.grew = False  # whether the last read found new bytes (a tqdm bar's too)
         self.live: str | None = None  # the unfinished line as shown now (a tqdm bar)

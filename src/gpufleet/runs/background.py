@@ -1,6 +1,6 @@
-"""The background supervisor of a submitted run: ``python -m gpufleet._submitted RUN_FOLDER``.
+"""The background supervisor of a submitted run: ``python -m gpufleet.runs.background RUN_FOLDER``.
 
-It runs the call exactly as ``.distributed()`` would in the caller (``calls.execute``) and
+It runs the call exactly as ``.distributed()`` would in the caller (``execution.execute``) and
 leaves the outcome in the run's record. ``Run.cancel()`` asks through the run folder (the
 supervisor polls for it); SIGINT stops every rank too, as Ctrl-C does in a caller. Started
 with GPUFLEET_PARENT_PID it dies with that process (SIGINT): a run that was not detached ends
@@ -17,10 +17,12 @@ import threading
 import time
 from pathlib import Path
 
-from gpufleet import _environ, _process, calls, devices
+from gpufleet import _environ, _process
+from gpufleet.runs import execution
+from gpufleet.launchers import devices
 from gpufleet.errors import RunCancelledError
 from gpufleet.payload import load_private
-from gpufleet.records import Record
+from gpufleet.runs.records import Record
 
 PARENT_POLL_SECONDS = 0.5
 
@@ -47,7 +49,7 @@ def main(argv: list[str]) -> int:
         record.end(exc)
         raise
     try:
-        calls.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
+        execution.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
     except (KeyboardInterrupt, RunCancelledError):
         print(f"gpufleet: run {record.id} cancelled", flush=True)
         return 130

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpufleet import _process, diagnosis
+from gpufleet import _process, _stacks
+from gpufleet.watch import diagnosis
 from gpufleet.rundir import RunDir, read_pid
 
 SAMPLE_EVERY_S = 0.5
@@ -124,8 +125,8 @@ class RunMonitor:
         if state.sampled_at:
             ago = max(0.0, time.time() - state.sampled_at)
             used = f"; it used {state.rss / GIB:.2f} GiB of host memory {ago:.1f} s before it died"
-        limit = _cgroup_limit(state.oom_counters)
-        limit = f" (limit of its cgroup: {limit / GIB:.2f} GiB)" if limit else ""
+        cap = _cgroup_limit(state.oom_counters)
+        limit = f" (limit of its cgroup: {cap / GIB:.2f} GiB)" if cap else ""
         return (
             "SIGKILL, most likely from the kernel's out-of-memory killer: it counted kills "
             "during the run (" + "; ".join(seen) + ")"
@@ -157,7 +158,7 @@ class RunMonitor:
         while pending and time.monotonic() < end:
             time.sleep(0.1)
             for rank in sorted(pending):
-                text = _dump_since(asked[rank], offsets[rank])
+                text = _stacks.dump_since(asked[rank], offsets[rank])
                 if text is not None:
                     states[rank] = diagnosis.parse_dump(rank, text)
                     pending.discard(rank)
@@ -172,24 +173,6 @@ class RunMonitor:
             if state is not None and rank in nccl:
                 states[rank] = diagnosis.with_flight_record(state, nccl[rank])
         return states
-
-
-def _dump_since(path: Path, offset: int) -> str | None:
-    """The header plus the dump written after ``offset``, once it is whole: the main
-    thread's section is there (faulthandler may list it last) and the file stopped growing."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    header = data.split(b"\n", 1)[0].decode(errors="replace")
-    new = data[offset:].decode(errors="replace")
-    main = diagnosis.main_thread_id(header)
-    if main is None or main not in diagnosis.thread_ids(new):
-        return None
-    time.sleep(0.05)  # faulthandler writes frame by frame: wait until nothing more comes
-    if path.stat().st_size != len(data):
-        return None
-    return header + "\n" + new
 
 
 def _request_nccl_dumps(prefix: Path, ranks) -> None:

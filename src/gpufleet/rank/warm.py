@@ -88,7 +88,7 @@ class WarmGroup:
     communicators do not pile up. Everything else is torch's own.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
@@ -150,7 +150,7 @@ class ModuleFiles:
     """The user modules this rank has imported, with the modification time each file had
     when first seen: a file changed later (even while a call ran) shows as changed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._first_seen: dict[str, float] = {}
 
     def seen(self) -> bytes:

@@ -17,6 +17,7 @@ import re
 import socket
 import stat
 import time
+from enum import Enum
 from pathlib import Path
 
 from gpufleet import _process
@@ -29,13 +30,30 @@ from gpufleet.errors import (
     RunTimeoutError,
 )
 from gpufleet.payload import write_private
-from gpufleet.rundir import CANCEL_REQUEST, RunDir, ensure_private_dir, new_id, read_pid, runs_root
-
-QUEUED, RUNNING = "queued", "running"
-SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST = (
-    "succeeded", "failed", "timeout", "cancelled", "preempted", "lost",
+from gpufleet.rundir import (
+    CANCEL_REQUEST, Attempt, RunDir, attempt_folder, ensure_private_dir, new_id, read_pid, runs_root,
 )
-DAMAGED = "damaged"  # a record.json that cannot be read as a record (cut short, edited)
+
+
+
+class RunStatus(str, Enum):
+    """Where a run stands. A ``str``: it is written to record.json and compared as text."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    PREEMPTED = "preempted"
+    LOST = "lost"  # never ended, and its supervisor is gone
+    DAMAGED = "damaged"  # a record.json that cannot be read as a record (cut short, edited)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST, DAMAGED = RunStatus
 # a damaged record's run counts as over: nobody can follow, end or cancel it
 FINAL = (SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED, LOST, DAMAGED)
 WRITTEN = (QUEUED, RUNNING, SUCCEEDED, FAILED, TIMEOUT, CANCELLED, PREEMPTED)  # what a record says
@@ -103,19 +121,19 @@ class Record:
         """What gpufleet itself printed while supervising a background run."""
         return self.path / "supervisor.log"
 
-    def attempt(self, number: int) -> RunDir:
-        """The folder of attempt ``number`` (0: the first; a retry is a new attempt)."""
-        return RunDir(self.path / f"attempt-{number}")
+    def attempt(self, number: int) -> Attempt:
+        """Attempt ``number`` (0: the first; a retry is a new attempt)."""
+        return Attempt(attempt_folder(self.path, number), number)
 
-    def new_attempt(self) -> RunDir:
+    def new_attempt(self) -> Attempt:
         attempts = self.read()["attempts"]
-        run = RunDir.create_at(self.attempt(len(attempts)).path)
-        self.update(attempts=[*attempts, run.path.name])
-        return run
+        attempt = Attempt.start(self.path, len(attempts))
+        self.update(attempts=[*attempts, attempt.path.name])
+        return attempt
 
-    def last_attempt(self) -> RunDir | None:
-        attempts = self.read()["attempts"]
-        return RunDir(self.path / attempts[-1]) if attempts else None
+    def last_attempt(self) -> Attempt | None:
+        attempts = self.read()["attempts"]  # checked: "attempt-N" each
+        return self.attempt(int(attempts[-1].split("-")[1])) if attempts else None
 
     def read(self) -> dict:
         """The record, checked field by field: DamagedRecordError naming the file and what is
@@ -191,17 +209,17 @@ class Record:
             headline=f"run {self.id} was cancelled: every rank was stopped",
         )
 
-    def status(self) -> str:
+    def status(self) -> RunStatus:
         """The recorded status, "lost" when the run never ended and its supervisor is gone,
         or "damaged" when its record cannot be read (``read()`` says why)."""
         try:
             data = self.read()
             if data["status"] in FINAL or is_alive(data.get("supervisor"), data["created"]):
-                return data["status"]
+                return RunStatus(data["status"])
             data = self.read()  # it may have ended just before it exited
         except DamagedRecordError:
             return DAMAGED
-        return data["status"] if data["status"] in FINAL else LOST
+        return RunStatus(data["status"]) if data["status"] in FINAL else LOST
 
     @property
     def cancel_request(self) -> Path:
@@ -417,7 +435,7 @@ def this_process() -> dict:
     return {"pid": os.getpid(), "start": _process.start_ticks(os.getpid()), "host": socket.gethostname()}
 
 
-def status_of(error: BaseException | None) -> str:
+def status_of(error: BaseException | None) -> RunStatus:
     """The final status an outcome gives a run."""
     if error is None:
         return SUCCEEDED

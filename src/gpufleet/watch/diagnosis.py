@@ -12,14 +12,14 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gpufleet import _stacks
 from gpufleet.errors import RankFailure
 
-_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S+)')
-MAIN_THREAD_HEADER = "gpufleet main thread "
 
 # Frames in these places are the machinery of a collective, not the code that called it.
 # (DCP's own collectives go through distributed_c10d; its file I/O is not a collective.)
@@ -132,21 +132,6 @@ def _first(value, *rest):
     return value
 
 
-def main_thread_id(header: str) -> int | None:
-    """The main thread's id from the first line of a rank's stacks file."""
-    if not header.startswith(MAIN_THREAD_HEADER):
-        return None
-    try:
-        return int(header[len(MAIN_THREAD_HEADER):].strip(), 16)
-    except ValueError:
-        return None
-
-
-def thread_ids(text: str) -> set[int]:
-    """The ids of the threads whose stacks a dump holds."""
-    return {int(m.group(2), 16) for line in text.splitlines() if (m := _THREAD.match(line))}
-
-
 def parse_dump(rank: int, text: str) -> RankState:
     """The main thread's frames from a faulthandler dump that starts with gpufleet's header
     line naming the main thread's id."""
@@ -154,11 +139,11 @@ def parse_dump(rank: int, text: str) -> RankState:
     threads: dict[int, list[Frame]] = {}
     current: list[Frame] | None = None
     for line in text.splitlines():
-        if line.startswith(MAIN_THREAD_HEADER):
-            main_id = main_thread_id(line)
+        if line.startswith(_stacks.MAIN_THREAD_HEADER):
+            main_id = _stacks.main_thread_id(line)
             continue
-        if match := _THREAD.match(line):
-            current = threads.setdefault(int(match.group(2), 16), [])
+        if (thread := _stacks.thread_id(line)) is not None:
+            current = threads.setdefault(thread, [])
             current.clear()  # a later dump of the same thread replaces an earlier one
             continue
         if current is not None and (match := _FRAME.match(line)):
@@ -167,12 +152,15 @@ def parse_dump(rank: int, text: str) -> RankState:
         frames = threads.get(main_id)
     else:  # no header: the thread that took the signal
         frames = next(iter(threads.values()), None)
-    body = text.split("\n", 1)[1] if text.startswith(MAIN_THREAD_HEADER) else text
+    body = text.split("\n", 1)[1] if text.startswith(_stacks.MAIN_THREAD_HEADER) else text
     return RankState(rank=rank, frames=tuple(frames or ()), text=body.strip())
 
 
 def analyse(
-    states: dict[int, RankState | None], world_size: int, stacks_dir: Path, finished: set[int] = frozenset()
+    states: dict[int, RankState | None],
+    world_size: int,
+    stacks_dir: Path,
+    finished: Collection[int] = frozenset(),
 ) -> tuple[str, list[RankFailure]]:
     """A headline and one failure per rank, the culprits first (not marked collateral).
 
@@ -240,14 +228,16 @@ def _stack_text(state: RankState) -> str:
     return "\n".join(lines)
 
 
-def _headline(culprits, waiting, silent, live, stacks_dir) -> str:
+def _headline(
+    culprits: list[int], waiting: dict[int, str], silent: list[int], live: int, stacks_dir: Path
+) -> str:
     label = ("rank " if len(culprits) == 1 else "ranks ") + ", ".join(map(str, culprits))
     others = sorted(waiting)
     if waiting and len(waiting) < live:
-        calls = sorted(set(waiting.values()))
+        calls = ", ".join(sorted(set(waiting.values())))
         what = f"{label} {'is' if len(culprits) == 1 else 'are'} not in a collective while " + (
             ("rank " if len(others) == 1 else "ranks ") + ", ".join(map(str, others))
-            + f" wait{'s' if len(others) == 1 else ''} in {', '.join(calls)}"
+            + f" wait{'s' if len(others) == 1 else ''} in {calls}"
         )
     elif len(culprits) < live:
         what = f"{label} wait{'s' if len(culprits) == 1 else ''} in a different collective from the others"

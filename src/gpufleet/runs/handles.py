@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from gpufleet import _environ, _process, devices, records
+from gpufleet import _environ, _process
 from gpufleet.errors import ConfigError, GpufleetError
-from gpufleet.logs import LogFollower
+from gpufleet.launchers import devices
 from gpufleet.launchers.local import _starter
 from gpufleet.payload import load_private, write_private
-from gpufleet.records import Record
-from gpufleet.supervisor import collect
+from gpufleet.runs import records
+from gpufleet.runs.records import Record
+from gpufleet.watch.logs import LogFollower
+from gpufleet.watch.outcome import collect
 
 POLL_SECONDS = 0.1
 CANCEL_ANSWER_SECONDS = 30.0  # for the supervisor to see the request and stop the ranks
@@ -81,8 +83,9 @@ class Run:
         """Every rank's value in rank order, once the run succeeded; otherwise its error
         (RunFailedError and its kinds: RunCancelledError, RunTimeoutError, ...)."""
         status = self.wait(timeout)
-        if status == records.SUCCEEDED:
-            return collect(self._record.last_attempt(), self.record()["gpus"])
+        attempt = self._record.last_attempt()
+        if status == records.SUCCEEDED and attempt is not None:  # a success had an attempt
+            return collect(attempt, self.record()["gpus"])
         if status == records.DAMAGED:
             self.record()  # raises the error that names the file and what is wrong with it
         if self._record.outcome.exists():
@@ -210,7 +213,7 @@ def _in_memory(data: bytes) -> int:
 
 def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: dict[str, str],
                       ticket, secrets: int) -> subprocess.Popen:
-    """``python -m gpufleet._submitted RECORD`` in its own session, its output in the run's
+    """``python -m gpufleet.runs.background RECORD`` in its own session, its output in the run's
     supervisor.log. Without ``detach`` it dies with this process (the death signal follows
     the thread that starts it: the launcher's long-lived starter thread)."""
     # the same home (device locks, line) whatever folder the supervisor runs in

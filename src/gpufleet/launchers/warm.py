@@ -15,7 +15,6 @@ docs/design.md ("Warm pool") has the details and what state carries over between
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import shutil
@@ -26,14 +25,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpufleet import _environ, _process, devices, hardware, records
+from gpufleet import _environ
 from gpufleet.errors import ConfigError
-from gpufleet.hardware import Placement
-from gpufleet.launchers import local
+from gpufleet.launchers import devices, hardware, local
+from gpufleet.launchers.hardware import Placement
+from gpufleet.launchers.local import LaunchPlan, LocalJob, LocalLauncher
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir, rank_groups
-from gpufleet.supervisor import Preemption, Supervisor
+from gpufleet.rundir import RunDir
+from gpufleet.runs import records
+from gpufleet.watch.supervisor import Preemption, Supervisor
 
 CLOSE_GRACE_SECONDS = 10.0
 DEFAULT_START_TIMEOUT = 600.0
@@ -91,7 +92,7 @@ class Pool:
 
     @property
     def alive(self) -> bool:
-        return self._ranks is not None and self._ranks.agent.poll() is None
+        return self._ranks is not None and self._ranks.alive
 
     def start(self) -> "Pool":
         """Start the ranks (CUDA, process group) unless they run; blocks until ready."""
@@ -125,29 +126,39 @@ class Pool:
         state = f"{self.placement.nprocs} ranks, {'alive' if self.alive else 'stopped'}" if self.placement else "not started"
         return f"<gpufleet.Pool {state}>"
 
-    @contextlib.contextmanager
-    def _lease(self, env: dict[str, str], stopped: Callable[[], bool]):
-        """The ranks, ready for one call with the environment ``env`` (the call's launch
-        plan's); started (again) first when needed. None once the pool is closed, or when
-        ``stopped()`` while its start waited for devices. A call that does not end well
-        stops them."""
-        with self._lock:
-            if self._closed or stopped():  # stopped while another call had the pool
-                yield None
-                return
-            why = self._stale(env)
-            if why:
-                print(f"gpufleet: {why}; starting the pool's ranks again", file=sys.stderr, flush=True)
+    def acquire(self, env: dict[str, str], stopped: Callable[[], bool]) -> _Ranks | None:
+        """The ranks, ready for one attempt with the environment ``env`` (its launch plan's),
+        started (again) first when needed; the pool is that attempt's until ``hand_back``.
+        None, and the pool free, once it is closed, or when ``stopped()`` while its start
+        waited for devices."""
+        self._lock.acquire()
+        try:
+            ranks = self._ready(env, stopped)
+        except BaseException:
+            self._lock.release()
+            raise
+        if ranks is None:
+            self._lock.release()
+        return ranks
+
+    def hand_back(self, failed: bool) -> None:
+        """The attempt is over: an attempt that did not end well stops the ranks."""
+        try:
+            if failed:
                 self._discard()
-            if not self._start(stopped):
-                yield None
-                return
-            ranks = self._ranks
-            try:
-                yield ranks
-            except BaseException:
-                self._discard()
-                raise
+        finally:
+            self._lock.release()
+
+    def _ready(self, env: dict[str, str], stopped: Callable[[], bool]) -> _Ranks | None:
+        if self._closed or stopped():  # stopped while another call had the pool
+            return None
+        why = self._stale(env)
+        if why:
+            print(f"gpufleet: {why}; starting the pool's ranks again", file=sys.stderr, flush=True)
+            self._discard()
+        if not self._start(stopped):
+            return None
+        return self._ranks
 
     def _stale(self, env: dict[str, str]) -> str | None:
         """Why the running ranks cannot take the next call (None: they can)."""
@@ -177,7 +188,8 @@ class Pool:
 
     def _serves(self, placement: Placement) -> bool:
         """Same device and number of ranks (a call's gpu_type was checked already)."""
-        return (self.placement.device, self.placement.nprocs) == (placement.device, placement.nprocs)
+        mine = self.placement
+        return mine is not None and (mine.device, mine.nprocs) == (placement.device, placement.nprocs)
 
 
 class _Ranks:
@@ -213,10 +225,11 @@ class _Ranks:
 
         try:
             if placement.takes_devices:
-                lease = devices.acquire(placement.nprocs, folder.name, waits, stopped)
-                if lease is None:  # the call was stopped first: the pool never started
+                held = devices.acquire(placement.nprocs, folder.name, waits, stopped)
+                if held is None:  # the call was stopped first: the pool never started
                     shutil.rmtree(folder.path, ignore_errors=True)
                     return None
+                lease = held
             for rank in range(placement.nprocs):
                 os.mkfifo(folder.orders(rank), 0o600)
                 # read-write: opening never blocks, and the ranks see end-of-file only when
@@ -224,11 +237,9 @@ class _Ranks:
                 pipes.append(os.open(folder.orders(rank), os.O_RDWR | os.O_CLOEXEC))
             mode = _environ.POOL_KEEP_MEMORY if keep_memory else "1"
             plan = local.plan(folder, placement, options, 0, {_environ.POOL: mode, **lease.env()})
-            agent = local.launch(plan, folder)
-            Supervisor(
-                folder, agent, placement.nprocs, options, Preemption(), {"call": called_at}, None, 0,
-                pooled=True,
-            ).wait()
+            agent = local.launch(plan)
+            job = LocalJob(agent, folder, placement.nprocs, keeps_ranks=True)
+            Supervisor(job, options, Preemption(), {"call": called_at}, None, 0).wait()
         except BaseException:
             cls(folder, agent, pipes, {}, lease).stop()
             raise
@@ -254,11 +265,15 @@ class _Ranks:
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every rank has cleaned up after the calls handed over so far."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.agent.poll() is None:
+        while time.monotonic() < deadline and self.alive:
             if all(self._finished(rank) >= self.calls for rank in range(self.nprocs)):
                 return True
             time.sleep(READY_POLL_SECONDS)
         return False
+
+    @property
+    def alive(self) -> bool:
+        return self.agent is not None and self.agent.poll() is None
 
     def _finished(self, rank: int) -> int:
         try:
@@ -290,19 +305,47 @@ class _Ranks:
         for pipe in self.pipes:
             os.close(pipe)
         self.pipes = []
-        if self.agent is None:
-            self.lease.release()
-            return
-        try:
-            self.agent.wait(CLOSE_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            pass
-        _process.kill_groups(rank_groups(self.folder, self.nprocs))
-        if self.agent.poll() is None:  # its pid is its own until reaped
-            _process.end_run_tree(self.agent.pid, grace=0)  # what it adopted would go to init
-        _process.kill_group(self.agent.pid)
-        self.agent.wait()
+        if self.agent is not None:
+            try:
+                self.agent.wait(CLOSE_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+            LocalJob(self.agent, self.folder, self.nprocs).release()
         self.lease.release()
+
+
+class WarmLauncher(LocalLauncher):
+    """Runs each attempt on a warm pool's ranks (``for_call``): only the payload travels. An
+    attempt that finds no pool (closed meanwhile) starts cold, as ``LocalLauncher``."""
+
+    def launch(self, plan: LaunchPlan) -> LocalJob:
+        pool = for_call(self.options, self.placement)
+        ranks = pool.acquire(plan.env, self.gate.stopped) if pool else None
+        if pool is None or ranks is None:
+            # closed meanwhile, or the run was stopped while the pool waited for devices
+            # (then the cold path's own wait says so at once)
+            return super().launch(plan)
+        try:
+            self.gate.begin(ranks.lease.ids)
+            job = WarmJob(pool, ranks, plan.folder)
+            job.stamps["pool_ready"] = time.time()  # after any (re)start of the pool's ranks
+            ranks.hand_over(plan.folder, plan.env)
+        except BaseException:
+            pool.hand_back(failed=True)
+            raise
+        return job
+
+
+class WarmJob(LocalJob):
+    """One attempt on a pool's ranks: the pool's agent and folder, the attempt's reports."""
+
+    def __init__(self, pool: Pool, ranks: _Ranks, attempt: RunDir):
+        assert ranks.agent is not None  # a started pool's
+        super().__init__(ranks.agent, attempt, ranks.nprocs, reports=ranks.folder, keeps_ranks=True)
+        self.pool = pool
+
+    def finished(self, failed: bool) -> None:
+        self.pool.hand_back(failed)
 
 
 def pool(
@@ -357,7 +400,7 @@ def give_up_devices(holders: list[str]) -> None:
         if active._holder() in holders:
             raise ConfigError(
                 f"this call waits for GPUs that its own process's pool holds ({active}, "
-                f"{active.folder}): run it with the pool's gpus={active.placement.nprocs}, or "
+                f"{active.folder}): run it with the pool's gpus={active.placement and active.placement.nprocs}, or "
                 "outside the `with gpufleet.pool(...)` block"
             )
     with _shared_lock:

@@ -19,8 +19,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
-from gpufleet import _environ, _process, _warm, diagnosis, payload, runtime, timings, tracking
+from gpufleet import _environ, _process, _stacks, payload, runtime, timings, tracking
+from gpufleet.rank import warm
 from gpufleet.errors import RankFailure
 from gpufleet.rundir import RunDir, check_private_dir
 
@@ -70,7 +72,7 @@ def _leave_the_template() -> None:
     from multiprocessing import forkserver
 
     multiprocessing.set_start_method(None, force=True)
-    server = forkserver._forkserver
+    server: Any = forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
@@ -130,10 +132,10 @@ def _serve(pool: RunDir, rank: int) -> bool:
     only then."""
     if not _call(pool, rank, _warm_up):
         return False
-    baseline = _warm.Baseline()
-    group = _warm.WarmGroup()
+    baseline = warm.Baseline()
+    group = warm.WarmGroup()
     group.install()
-    modules = _warm.ModuleFiles()
+    modules = warm.ModuleFiles()
     release_memory = _environ.pool_mode() != _environ.POOL_KEEP_MEMORY
     calls = 0
     payload.write_private(pool.ready(rank), b"0")
@@ -179,7 +181,7 @@ def _answer_stack_requests(path: Path) -> None:
     main thread, which the caller's diagnosis reads first."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     stacks = os.fdopen(fd, "a", encoding="utf-8")  # open for the process's life
-    stacks.write(f"{diagnosis.MAIN_THREAD_HEADER}{threading.main_thread().ident:#x}\n")
+    stacks.write(f"{_stacks.MAIN_THREAD_HEADER}{threading.main_thread().ident:#x}\n")
     stacks.flush()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
     while _keep_open:  # a warm rank's previous call's file

@@ -24,9 +24,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from gpufleet.errors import RunCancelledError, RunHangError, RunPreemptedError, RunTimeoutError
+
+if TYPE_CHECKING:
+    from rich.live import Live
 
 REFRESH_EVERY_S = 0.25
 SHOW_AFTER_S = 1.0
@@ -148,10 +151,13 @@ def _isatty(stream) -> bool:
 class PlainDisplay:
     """The ranks' lines, printed as they come; no status line."""
 
-    shown = False  # whether a status line was drawn (and needs a final state)
-
     def __init__(self, out: TextIO | None = None):
         self._out = out
+
+    @property
+    def shown(self) -> bool:
+        """Whether a status line was drawn (and needs a final state)."""
+        return False
 
     def write(self, lines: list[str]) -> None:
         """Print complete lines (``[rank N] ...``)."""
@@ -219,7 +225,7 @@ class TerminalDisplay(_Paced):
         force_terminal=True)`` to see what would be drawn."""
         super().__init__(console.file, show_after)
         self._console = console
-        self._live = None
+        self._live: Live | None = None
         self._status = ""  # the status line last drawn
         self._drawn: list[str] = []  # and the bars above it
 
@@ -254,26 +260,26 @@ class TerminalDisplay(_Paced):
             if not _TERMINAL.acquire(blocking=False):
                 self._next = float("inf")  # another call draws here: only print lines
                 return
-            self._start()
+            self._live = self._start()
         self._status = status_line(status)
         self._live.refresh()
 
-    def _start(self) -> None:
+    def _start(self) -> Live:
         from rich.live import Live
 
         try:
             # no refresh thread: the supervisor's loop refreshes it (show), each refresh from
             # the bars as they are then; what this process prints meanwhile goes above it
-            self._live = Live(
+            live = Live(
                 console=self._console, auto_refresh=False, transient=False,
                 redirect_stdout=True, redirect_stderr=_isatty(sys.stderr),
                 get_renderable=self._render,
             )
-            self._live.start()
+            live.start()
         except BaseException:
-            self._live = None
             _TERMINAL.release()
             raise
+        return live
 
     def _render(self):
         from rich.console import Group

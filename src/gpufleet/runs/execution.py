@@ -1,7 +1,8 @@
-"""One call, from checked input to values or one error: its record, its devices, its attempts.
+"""One run, from checked input to values or one error: its record, its launcher, its attempts.
 
-The same code supervises a call in the caller (``.distributed()``, ``gpufleet run``) and in
-the background process of a submitted run (``_submitted.py``).
+The same code runs a call in the caller (``.distributed()``, ``gpufleet run``) and in the
+background process of a submitted run (``background.py``). Each attempt goes through the
+launch seam (``launchers/base.py``): plan, launch, watch.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, devices, hardware, launchers, pools
+from gpufleet import _environ, launchers
 from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError, RunTimeoutError
-from gpufleet.hardware import Placement
+from gpufleet.launchers import devices, warm
+from gpufleet.launchers.base import Launcher
+from gpufleet.launchers.hardware import Placement
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, free_space_note, write_private
-from gpufleet.records import Record
-from gpufleet.rundir import RunDir
-from gpufleet.supervisor import Preemption, Supervisor
+from gpufleet.runs.records import Record
 from gpufleet.tracking import PendingTracking
 from gpufleet.tracking import status_of as tracking_status
+from gpufleet.watch.supervisor import Preemption, Supervisor
 
 
 @dataclass
@@ -47,10 +49,10 @@ class Call:
         PayloadError otherwise."""
         if options.remote:  # bad input fails before connecting to (or starting) a Ray cluster
             payload = dump_call(fn, args, kwargs)
-            placement = launchers.get(options.remote).place(options)
+            placement = launchers.place(options)
             check_world(options, placement.nprocs)
         else:
-            placement = hardware.place(options.gpus, options.gpu_type)
+            placement = launchers.place(options)
             check_world(options, placement.nprocs)
             payload = dump_call(fn, args, kwargs)
         return cls(options.name or name, function, payload, placement, options, **more)
@@ -73,15 +75,19 @@ def execute(call: Call, record: Record, on_attempt: Callable[[Path], None] | Non
 
 
 class _Execution:
-    """The state of one call while it runs: its attempts, devices and MLflow run."""
+    """The state of one run while it goes: its attempts, its launcher and MLflow run. It is
+    the launcher's gate (``launchers.base.Gate``): told when the ranks start, asked whether
+    to go on waiting for devices."""
 
     def __init__(self, call: Call, record: Record, on_attempt, ticket):
         self.call = call
         self.ticket = ticket
         self.record = record
+        self.owner = record.id
+        self.since = record.read()["created"]
         self.on_attempt = on_attempt or (lambda path: None)
         self.opts = call.options
-        self.lease: devices.Lease | None = None
+        self.launcher: Launcher | None = None
         self.began = False
         self.deadline: float | None = None
         self.tracking = PendingTracking(self.opts.tracking, call.name, {
@@ -93,6 +99,7 @@ class _Execution:
         outcome: BaseException | None = None
         try:
             with Preemption().installed() as self.preemption:
+                self.launcher = launchers.for_run(self.call.placement, self.opts, self)
                 return self._attempts()
         except BaseException as exc:
             outcome = exc
@@ -101,7 +108,8 @@ class _Execution:
             try:
                 if self.ticket is not None:  # a place in line it never needed (a pool, Ray)
                     self.ticket.drop()
-                self._release_devices()  # first: nothing below may keep the GPUs held
+                if self.launcher is not None:  # first: nothing below may keep the GPUs held
+                    self.launcher.close()
             finally:
                 # the error, then MLflow's status, then the run's: a record that says ended
                 # means MLflow's run has ended too (or could not be ended in time)
@@ -131,7 +139,7 @@ class _Execution:
         earlier: list[RunFailedError] = []
         while True:
             try:
-                return self._run(len(earlier), self.call.called_at if not earlier else time.time())
+                return self._attempt(len(earlier), self.call.called_at if not earlier else time.time())
             except RunFailedError as error:
                 if (self.preemption.requested_at is not None or len(earlier) == self.opts.max_retries
                         or not retryable(error, self.opts.no_retry)):
@@ -145,73 +153,48 @@ class _Execution:
                     file=sys.stderr, flush=True,
                 )
 
-    def _run(self, attempt: int, called_at: float) -> list:
-        """One attempt: a run folder of its own, an agent, its ranks."""
+    def _attempt(self, number: int, called_at: float) -> list:
+        """One attempt: a folder of its own, its plan, its job, watched to its end."""
+        assert self.launcher is not None
         if self.record.cancel_request.exists():  # before it starts, or between attempts
             raise self.record.cancelled()
-        run = self.record.new_attempt()
-        self.on_attempt(run.path)
-        write_private(run.payload, self.call.payload)
-        launcher = launchers.get(self.opts.remote or "local")
+        attempt = self.record.new_attempt()
+        self.on_attempt(attempt.path)
+        write_private(attempt.payload, self.call.payload)
         # said either way: a call made inside a tracked rank inherits that rank's "1"
         env = {_environ.TRACKED: "1" if self.tracking.enabled else "0"}
         stamps = {"call": called_at, "attempt_started": time.time()}
-        placement = self.call.placement
-        if self.opts.remote:  # the ranks run on a cluster; the job stands for the agent
-            self._begin(run)
-            job = launcher.launch(launcher.plan(run, placement, self.opts, attempt, env), run, self.deadline)
-            return self._supervise(run, job, stamps, attempt, monitor=job.monitor)
-        plan = launcher.plan(run, placement, self.opts, attempt, env)
-        warm = pools.for_call(self.opts, placement)
-        with warm._lease(plan.env, self._stop_waiting) if warm else contextlib.nullcontext() as ranks:
-            # no pool, it closed meanwhile, or the call was stopped while the pool waited for
-            # devices (then the cold path's own wait says so at once)
-            if ranks is None:
-                self._hold_devices(run)
-                plan = launcher.plan(run, placement, self.opts, attempt, {**env, **self.lease.env()})
-                return self._supervise(run, launcher.launch(plan, run), stamps, attempt)
-            self._begin(run, ranks.lease.ids)
-            stamps["pool_ready"] = time.time()  # after any (re)start of the pool's ranks
-            ranks.hand_over(run, plan.env)
-            return self._supervise(run, ranks.agent, stamps, attempt, ranks.folder)
+        plan = self.launcher.plan(attempt, env)
+        with self.launcher.launch(plan) as job:
+            self.tracking.begin()  # created while the ranks start; the watcher hands it over
+            tracking = self.tracking if self.tracking.enabled else None
+            supervisor = Supervisor(job, self.opts, self.preemption, stamps, tracking, number)
+            return supervisor.wait(self.deadline)
 
-    def _hold_devices(self, run: RunDir) -> None:
-        """Take this machine's devices for the call (once: retries keep them)."""
-        if self.lease is None:
-            # a run started inside a rank uses the rank's own devices, which its run holds
-            if self.call.placement.takes_devices and _environ.run_dir() is None:
-                ticket, self.ticket = self.ticket, None  # acquire drops it when done
-                self.lease = devices.acquire(
-                    self.call.placement.nprocs, self.record.id, self._queued,
-                    stopped=self._stop_waiting, since=self.record.read()["created"],
-                    ticket=ticket,
-                )
-                if self.lease is None:
-                    raise self._stopped_while_queued(run)
-            else:
-                self.lease = devices.Lease()
-        self._begin(run, self.lease.ids)
+    # -- the gate ---------------------------------------------------------------------------
 
-    def _stop_waiting(self) -> bool:
+    def stopped(self) -> bool:
         return (self.preemption.requested_at is not None or self.record.cancel_request.exists()
                 or not self.record.path.is_dir())
 
-    def _stopped_while_queued(self, run: RunDir) -> RunFailedError:
+    def never_started(self) -> RunFailedError:
+        attempt = self.record.last_attempt()
+        folder = attempt.path if attempt else self.record.path
         if not self.record.path.is_dir():
             return RunFailedError(
-                [], run_dir=run.path, world_size=self.call.placement.nprocs,
+                [], run_dir=folder, world_size=self.call.placement.nprocs,
                 headline=f"the run's folder {self.record.path} was deleted while the run waited "
                 "for free GPUs: it never started",
             )
         if self.preemption.requested_at is None:
             return self.record.cancelled()
         return RunPreemptedError(
-            [], run_dir=run.path, world_size=self.call.placement.nprocs,
+            [], run_dir=folder, world_size=self.call.placement.nprocs,
             headline="SIGTERM while the run waited for free GPUs: it never started",
         )
 
-    def _queued(self, holders: list[str]) -> None:
-        pools.give_up_devices(holders)  # this process's own idle pools would hold them forever
+    def waiting(self, holders: list[str]) -> None:
+        warm.give_up_devices(holders)  # this process's own idle pools would hold them forever
         held = f" (held by {', '.join(sorted(set(holders)))})" if holders else ""
         n = self.call.placement.nprocs
         print(
@@ -219,30 +202,14 @@ class _Execution:
             file=sys.stderr, flush=True,
         )
 
-    def _begin(self, run: RunDir, device_ids: tuple[str, ...] = ()) -> None:
-        """The call starts running: the timeout's clock starts, waiting for devices excluded."""
+    def begin(self, device_ids: tuple[str, ...] = ()) -> float | None:
+        """The run starts running: the timeout's clock starts, waiting for devices excluded."""
         if not self.began:
             self.began = True
             self.record.begin(device_ids)
             if self.opts.timeout is not None:
                 self.deadline = time.monotonic() + self.opts.timeout
-
-    def _supervise(self, run: RunDir, agent, stamps: dict, attempt: int,
-                   pool_folder: RunDir | None = None, monitor=None) -> list:
-        self.tracking.begin()  # created while the ranks start; the supervisor hands it over
-        supervisor = Supervisor(
-            run, agent, self.call.placement.nprocs, self.opts, self.preemption, stamps,
-            self.tracking if self.tracking.enabled else None, attempt,
-            launcher=pool_folder, pooled=pool_folder is not None, monitor=monitor,
-        )
-        return supervisor.wait(self.deadline)
-
-    def _release_devices(self) -> None:
-        """Free the devices once the values are back: the ranks may still be exiting (their
-        CUDA and NCCL teardown, about a second), which the next run of this process, or of
-        the line, overlaps, as it would after a torchrun job returned."""
-        if self.lease is not None:
-            self.lease.release()
+        return self.deadline
 
 
 def retryable(error: RunFailedError, no_retry: tuple) -> bool:
