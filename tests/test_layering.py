@@ -80,12 +80,13 @@ def is_package(name: str) -> bool:
     return path is not None and path.name == "__init__.py"
 
 
-def all_modules() -> list[str]:
-    names = []
+def source_files() -> dict[str, Path]:
+    """Every module of gpufleet by name: {"gpufleet.runs.handles": .../runs/handles.py}."""
+    files = {}
     for path in sorted((SRC / "gpufleet").rglob("*.py")):
         parts = path.relative_to(SRC).with_suffix("").parts
-        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
 
 
 def within(module: str, package: str) -> bool:
@@ -128,8 +129,8 @@ def _from_base(importer: str, node: ast.ImportFrom) -> str:
 @cache
 def all_imports() -> tuple[Import, ...]:
     found = []
-    for module in all_modules():
-        found += imports_in(module, module_path(module).read_text())
+    for module, path in source_files().items():
+        found += imports_in(module, path.read_text())
     return tuple(found)
 
 
@@ -237,7 +238,7 @@ def test_every_named_part_exists():
 
 def test_every_module_has_a_side():
     """A new module is placed deliberately: on the rank's side, the caller's, or shared."""
-    homeless = [m for m in all_modules()
+    homeless = [m for m in source_files()
                 if not (is_rank_side(m) or is_caller_side(m) or m in SHARED)]
     assert not homeless, (
         f"modules on no side (add them to a side in {Path(__file__).name}): {homeless}"

@@ -38,7 +38,7 @@ from ray.util.placement_group import (placement_group, placement_group_table,  #
 from gpufleet import (ConfigError, RunFailedError, RunHangError, RunPreemptedError,  # noqa: E402
                       RunTimeoutError, distributed, runtime)
 from gpufleet.errors import GpufleetError  # noqa: E402
-from gpufleet.launchers import _ray_env  # noqa: E402
+from gpufleet.launchers import _ray_env, _ray_node  # noqa: E402
 from gpufleet.launchers import ray as ray_launcher  # noqa: E402
 from support import line_of, script_env, terminal_stdout  # noqa: E402
 
@@ -501,7 +501,7 @@ def test_ranks_order_by_node_address_then_gpu_id():
 def test_nodes_with_another_python_or_torch_are_refused_by_name():
     import platform
 
-    same = {"python": platform.python_version(), "torch": _ray_env._version("torch"),
+    same = {"python": platform.python_version(), "torch": _ray_node.version("torch"),
             "cloudpickle": "3.1.0"}
     _ray_env.check_versions({"node 0: a 10.0.0.1": same})
     with pytest.raises(ConfigError) as info:

@@ -13,10 +13,7 @@ rank's result or a precise error.
 """
 
 from gpufleet import runtime
-from gpufleet.tracking import log_metrics
 from gpufleet.api import DistributedFunction, distributed
-from gpufleet.launchers.warm import Pool, pool
-from gpufleet.runs.handles import Run, attach, runs
 from gpufleet.errors import (
     ConfigError,
     GpufleetError,
@@ -28,6 +25,9 @@ from gpufleet.errors import (
     RunPreemptedError,
     RunTimeoutError,
 )
+from gpufleet.launchers.warm import Pool, pool
+from gpufleet.runs.handles import Run, attach, runs
+from gpufleet.tracking import log_metrics
 
 __version__ = "0.1.0"
 

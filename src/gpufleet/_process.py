@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import os
+import queue
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Collection, Container
 
@@ -212,3 +216,47 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
         # Another user's group now holds that id: ours is gone.
         return False
     return True
+
+
+def this_process() -> dict:
+    """This process as a record names its supervisor, and a pool its owner: pid, start
+    time (a reused pid has another) and host."""
+    return {"pid": os.getpid(), "start": start_ticks(os.getpid()), "host": socket.gethostname()}
+
+
+class Starter:
+    """Starts children that must die with this process and no sooner: PR_SET_PDEATHSIG
+    follows the thread that started a child, not the process, so they are started by a
+    daemon thread that lives as long as this process. It ends only when the process does,
+    so the children get their parent-death signal exactly then (after the interpreter
+    waited for the calls' teardown threads)."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="gpufleet-starter", daemon=True).start()
+
+    def run(self, fn, *args, **kwargs):
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._tasks.put((done, fn, args, kwargs))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            done, fn, args, kwargs = self._tasks.get()
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller, which raises it
+                done.set_exception(exc)
+
+
+_starters: dict[int, Starter] = {}
+_starters_lock = threading.Lock()
+
+
+def starter() -> Starter:
+    """This process's starter (a forked child of the caller gets its own)."""
+    with _starters_lock:
+        pid = os.getpid()
+        if pid not in _starters:
+            _starters[pid] = Starter()
+        return _starters[pid]

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, overload
 
 from gpufleet import runtime
-from gpufleet.runs import execution
-from gpufleet.runs import handles
 from gpufleet.errors import ConfigError
-from gpufleet.options import RunOptions
+from gpufleet.options import (
+    DEFAULT_GRACE_PERIOD,
+    DEFAULT_HANG_TIMEOUT,
+    DEFAULT_PLACEMENT_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    KEEP,
+    RunOptions,
+    Unchanged,
+)
+from gpufleet.runs import execution, handles
 
 if TYPE_CHECKING:
     from gpufleet.runs.handles import Run
+
+NO_ENV: Mapping[str, str] = MappingProxyType({})  # env='s default: nothing added
+NoRetry = Sequence[type[BaseException] | str] | type[BaseException] | str
 
 R = TypeVar("R")
 
@@ -25,6 +37,8 @@ class DistributedFunction(Generic[R]):
 
     Calling it directly runs it here, in this process, undistributed.
     """
+
+    _fn: Callable[..., R]
 
     def __init__(self, fn: Callable[..., R], options: RunOptions):
         if isinstance(fn, DistributedFunction):  # decorated again: the new options win
@@ -48,9 +62,27 @@ class DistributedFunction(Generic[R]):
         with runtime._direct_call():
             return self._fn(*args, **kwargs)
 
-    def options(self, **changes: Any) -> "DistributedFunction[R]":
-        """The same function with some options changed: ``train.options(gpus=1).distributed()``."""
-        return DistributedFunction(self._fn, self._options.replace(**changes))
+    def options(
+        self, *,
+        gpus: int | None | Unchanged = KEEP, gpu_type: str | None | Unchanged = KEEP,
+        remote: bool | str | Unchanged = KEEP, timeout: float | None | Unchanged = KEEP,
+        logs: str | Sequence[int] | Unchanged = KEEP, env: Mapping[str, str] | Unchanged = KEEP,
+        runs_dir: str | os.PathLike[str] | None | Unchanged = KEEP,
+        max_retries: int | Unchanged = KEEP, no_retry: NoRetry | Unchanged = KEEP,
+        hang_timeout: float | None | Unchanged = KEEP, grace_period: float | Unchanged = KEEP,
+        show_timings: bool | Unchanged = KEEP, tracking: bool | None | Unchanged = KEEP,
+        warm: bool | Unchanged = KEEP, ray_address: str | None | Unchanged = KEEP,
+        placement: str | Unchanged = KEEP, placement_timeout: float | Unchanged = KEEP,
+        pip: bool | Sequence[str] | Unchanged = KEEP,
+        runtime_env: Mapping[str, Any] | None | Unchanged = KEEP,
+        name: str | None | Unchanged = KEEP, detach: bool | Unchanged = KEEP,
+        **unknown: NoReturn,
+    ) -> "DistributedFunction[R]":
+        """The same function with some options changed: ``train.options(gpus=1).distributed()``.
+        The options are those of ``@distributed``; an option not given keeps its value."""
+        given = {k: v for k, v in locals().items() if k not in ("self", "unknown") and v is not KEEP}
+        given.update(unknown)  # named in a ConfigError with the valid options
+        return DistributedFunction(self._fn, self._options.replace(**given))
 
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Run on every rank; return each rank's value in global-rank order.
@@ -113,7 +145,37 @@ def _check_callable(fn: Any) -> None:
         )
 
 
-def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
+@overload
+def distributed(fn: Callable[..., R], /) -> DistributedFunction[R]: ...
+
+
+@overload
+def distributed(
+    fn: None = None, /, *,
+    gpus: int | None = None, gpu_type: str | None = None, remote: bool | str = False,
+    timeout: float | None = DEFAULT_TIMEOUT, logs: str | Sequence[int] = "all",
+    env: Mapping[str, str] = NO_ENV, runs_dir: str | os.PathLike[str] | None = None,
+    max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
+    grace_period: float = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
+    tracking: bool | None = None, warm: bool = False, ray_address: str | None = None,
+    placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
+    pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
+    name: str | None = None, detach: bool = False,
+) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
+
+
+def distributed(
+    fn: Callable[..., R] | None = None, /, *,
+    gpus: int | None = None, gpu_type: str | None = None, remote: bool | str = False,
+    timeout: float | None = DEFAULT_TIMEOUT, logs: str | Sequence[int] = "all",
+    env: Mapping[str, str] = NO_ENV, runs_dir: str | os.PathLike[str] | None = None,
+    max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
+    grace_period: float = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
+    tracking: bool | None = None, warm: bool = False, ray_address: str | None = None,
+    placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
+    pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
+    name: str | None = None, detach: bool = False, **unknown: NoReturn,
+) -> DistributedFunction[R] | Callable[[Callable[..., R]], DistributedFunction[R]]:
     """Make a function runnable on every GPU of this machine, or of a Ray cluster.
 
     Options (all keyword-only):
@@ -162,7 +224,8 @@ def distributed(fn: Callable[..., R] | None = None, /, **options: Any):
     callable instance; generator and ``async def`` functions are refused (no rank could run
     what their call returns).
     """
-    run_options = RunOptions.create(**options)
+    given = {k: v for k, v in locals().items() if k not in ("fn", "unknown")}
+    run_options = RunOptions.create(**given, **unknown)  # unknown: a ConfigError naming them
     if fn is None:
         return lambda f: DistributedFunction(f, run_options)
     return DistributedFunction(fn, run_options)

@@ -18,14 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ
-from gpufleet.rank.script import run_command, run_module, run_script
-from gpufleet.runs import execution
-from gpufleet.runs import handles
-from gpufleet.watch import progress
-from gpufleet.runs import records
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
 from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
+from gpufleet.rank.script import run_command, run_module, run_script
 from gpufleet.rundir import runs_root
+from gpufleet.runs import execution, handles, records
+from gpufleet.watch import progress
 
 EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_PREEMPTED = 1, 2, 124, 130, 143
 EXIT_OF_STATUS = {

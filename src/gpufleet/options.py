@@ -7,6 +7,7 @@ Checks here need no hardware; those that do (how many GPUs are visible, their ty
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -30,6 +31,18 @@ CLUSTER_OPTIONS = {
     "pip": False,
     "runtime_env": None,
 }
+
+
+class Unchanged(enum.Enum):
+    """The default of every parameter of ``.options()``: the option keeps its value."""
+
+    KEEP = "keep"
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP = Unchanged.KEEP
 
 
 @dataclass(frozen=True, kw_only=True)

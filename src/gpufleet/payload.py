@@ -17,8 +17,8 @@ import stat
 import sys
 import types
 import warnings
-from pathlib import Path
 from collections import ChainMap
+from pathlib import Path
 from typing import Any
 
 import cloudpickle

@@ -19,7 +19,6 @@ from pathlib import Path
 from gpufleet import _environ, _process
 from gpufleet.errors import ConfigError
 
-
 CANCEL_REQUEST = "cancel-requested"  # in a run's folder, beside its attempts
 PID_CLOCK_SLACK_SECONDS = 1.0  # /proc's start times count in clock ticks, file times finer
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, _process, timings
-from gpufleet.rank import worker
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir, rank_groups
+from gpufleet.rank import worker
+from gpufleet.rundir import LauncherState, RunDir, rank_groups
 
 MONITOR_INTERVAL = 0.05
 SHUTDOWN_GRACE_SECONDS = 5
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
         _start_reaper(own)
     report = _launch(run, spec["nprocs"], own)
     write_private(run.agent_report, json.dumps(report).encode())
-    sys.exit(0 if report["state"] == "succeeded" else 1)
+    sys.exit(0 if report["state"] == LauncherState.SUCCEEDED else 1)
 
 
 def _start_template() -> set[int]:
@@ -103,17 +103,17 @@ def _launch(run: RunDir, nprocs: int, own: set[int]) -> dict:
         timings.write_rank(run.agent_timings)
         elastic_launch(_config(run, nprocs), worker.main)(str(run.path))
     except ChildFailedError as exc:
-        return {"state": "failed", "failures": _failures(exc)}
+        return {"state": LauncherState.FAILED, "failures": _failures(exc)}
     except SignalException as exc:
-        return {"state": "stopped", "signal": exc.sigval.name}
+        return {"state": LauncherState.STOPPED, "signal": exc.sigval.name}
     except Exception:
-        return {"state": "error", "error": traceback.format_exc()}
+        return {"state": LauncherState.ERROR, "error": traceback.format_exc()}
     finally:
         # bounded in time; a second SIGTERM (the caller dying meanwhile) must not cut it short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _end_rank_groups(run, nprocs)
         _end_daemons(own)
-    return {"state": "succeeded"}
+    return {"state": LauncherState.SUCCEEDED}
 
 
 def _end_rank_groups(run: RunDir, nprocs: int) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import gpufleet
 from gpufleet.errors import ConfigError
+from gpufleet.launchers._ray_node import version
 
 # The cluster's own packages: pinning the caller's copies would replace the nodes' builds
 # (a CPU torch onto GPU nodes, another Ray than the cluster runs).
@@ -193,14 +194,6 @@ def check_versions(nodes: dict[str, dict]) -> None:
             "(their image or environment), or choose one with runtime_env= (e.g. a container "
             "image or conda environment)"
         )
-
-
-def version(distribution: str) -> str | None:
-    """The installed release of ``distribution``; None when it is not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _minor(version: str) -> str:

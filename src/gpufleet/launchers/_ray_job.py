@@ -94,8 +94,8 @@ class RayJob(Job):
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if not self._done.wait(timeout):
-            raise subprocess.TimeoutExpired("the ranks on the Ray cluster", timeout)
+        if not self._done.wait(timeout) or self.returncode is None:
+            raise subprocess.TimeoutExpired("the ranks on the Ray cluster", timeout or 0.0)
         return self.returncode
 
     def stop(self) -> None:
@@ -179,8 +179,8 @@ class RayJob(Job):
         refs = [r.pending for r in live]
         # ready once the actor answered, wherever the answer is: a large result still on its
         # way here must not count as silence
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PUMP_SECONDS, fetch_local=False)
-        ready = set(ready)
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=PUMP_SECONDS, fetch_local=False)
+        ready = set(answered)
         for r in live:
             if r.pending in ready:
                 ref, r.pending = r.pending, None

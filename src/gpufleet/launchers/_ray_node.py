@@ -12,6 +12,7 @@ rank's process runs it too.
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -26,7 +27,6 @@ from pathlib import Path
 
 from gpufleet import _environ, _process
 from gpufleet._stacks import dump_since
-from gpufleet.launchers._ray_env import version
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
@@ -37,6 +37,14 @@ CLOSE_WAIT_S = 5.0
 CALLER_FILES = ("tracking.json", "stop-requested")  # what the caller writes for its ranks
 _SIOCGIFADDR = 0x8915
 
+
+
+def version(distribution: str) -> str | None:
+    """The installed release of ``distribution``; None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 class RankNode:
     """One rank's actor. Its methods run one at a time on the actor's main thread, which

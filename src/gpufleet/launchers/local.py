@@ -8,16 +8,13 @@ watcher drives it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.metadata
 import json
 import os
-import queue
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 
 from gpufleet import _environ, _process
@@ -28,7 +25,6 @@ from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
 from gpufleet.rundir import Attempt, RunDir, rank_groups
 from gpufleet.watch.monitor import RunMonitor
-
 
 LOOPBACK_INTERFACE = "lo"
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives remembered per rank
@@ -189,15 +185,15 @@ def launch(launch_plan: LaunchPlan) -> subprocess.Popen:
     which then stops the run in order.
 
     The agent dies with the thread that started it (PR_SET_PDEATHSIG follows the thread, not
-    the process), so every agent is started by one long-lived thread: a call made from a
-    short-lived thread, or a pool started by one, outlives it.
+    the process), so every agent is started by one long-lived thread (``_process.starter``):
+    a call made from a short-lived thread, or a pool started by one, outlives it.
     """
     folder = launch_plan.folder
     spec = {"nprocs": launch_plan.nprocs}
     write_private(folder.path / "launch.json", json.dumps(spec).encode())
     log_fd = os.open(folder.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return _starter().run(
+        return _process.starter().run(
             subprocess.Popen,
             launch_plan.argv,
             env=launch_plan.env,
@@ -208,42 +204,6 @@ def launch(launch_plan: LaunchPlan) -> subprocess.Popen:
         )
     finally:
         os.close(log_fd)
-
-
-class _Starter:
-    """A daemon thread that lives as long as this process: it ends only when the process
-    does, so the agents it started get their parent-death signal exactly then (after the
-    interpreter waited for the calls' teardown threads)."""
-
-    def __init__(self):
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="gpufleet-starter", daemon=True).start()
-
-    def run(self, fn, *args, **kwargs):
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._tasks.put((done, fn, args, kwargs))
-        return done.result()
-
-    def _serve(self) -> None:
-        while True:
-            done, fn, args, kwargs = self._tasks.get()
-            try:
-                done.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # handed to the caller, which raises it
-                done.set_exception(exc)
-
-
-_starters: dict[int, _Starter] = {}
-_starters_lock = threading.Lock()
-
-
-def _starter() -> _Starter:
-    """This process's starter (a forked child of the caller gets its own)."""
-    with _starters_lock:
-        pid = os.getpid()
-        if pid not in _starters:
-            _starters[pid] = _Starter()
-        return _starters[pid]
 
 
 def _make_private(folder) -> None:

@@ -5,8 +5,9 @@ Ray places the ranks and ships code and packages; gpufleet keeps its launch cont
 ask Ray for: one bundle per rank (a GPU and a CPU), the strategy, the runtime_env, the
 variables every rank shares; ``launch`` creates the placement group and one actor per bundle
 (``_ray_node``), orders the ranks by node then GPU, checks the nodes' versions and starts the
-ranks. It returns a ``RayJob`` (``_ray_job``), which stands for the whole job where the
-supervisor expects an agent process. docs/design.md ("Cluster launcher (Ray)") has the why.
+ranks. It returns a ``RayJob`` (``_ray_job``), the job the watcher drives. ``RayLauncher``
+puts these behind the launch seam (``base.py``). docs/design.md ("Cluster launcher (Ray)")
+has the why.
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
-from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
 from gpufleet.launchers import _ray_env
 from gpufleet.launchers._ray_job import RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
+from gpufleet.launchers.base import Gate, Launcher
+from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
-from gpufleet.launchers.base import Gate, Launcher
 from gpufleet.rundir import Attempt, RunDir
 
 CPUS_PER_RANK = 1  # reserved per bundle; Ray does not limit a process to it
@@ -147,7 +149,7 @@ def connect(address: str | None):
             )
         return ray
     wanted = address or _environ.ray_address()
-    options = {"address": wanted or "local", "logging_level": logging.WARNING}
+    options: dict[str, Any] = {"address": wanted or "local", "logging_level": logging.WARNING}
     if wanted is None:
         options["include_dashboard"] = False  # seconds and memory that a local run never uses
     try:
@@ -310,7 +312,7 @@ def order_ranks(described: list[dict]) -> list[Slot]:
     for bundle, node in enumerate(described):
         by_node.setdefault(node["node_id"], []).append(bundle)
     nodes = sorted(by_node, key=lambda n: (_address_key(described[by_node[n][0]]["ip"]), n))
-    slots = []
+    slots: list[Slot] = []
     for node_rank, node_id in enumerate(nodes):
         bundles = sorted(by_node[node_id], key=lambda b: (_gpu_key(described[b]["gpus"]), b))
         for local_rank, bundle in enumerate(bundles):

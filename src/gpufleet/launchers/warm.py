@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpufleet import _environ
+from gpufleet import _environ, _process
 from gpufleet.errors import ConfigError
 from gpufleet.launchers import devices, hardware, local
 from gpufleet.launchers.hardware import Placement
@@ -33,7 +33,6 @@ from gpufleet.launchers.local import LaunchPlan, LocalJob, LocalLauncher
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
-from gpufleet.runs import records
 from gpufleet.watch.supervisor import Preemption, Supervisor
 
 CLOSE_GRACE_SECONDS = 10.0
@@ -211,7 +210,7 @@ class _Ranks:
         """The ranks, ready; None when ``stopped()`` while waiting for free devices."""
         called_at = time.time()
         folder = RunDir.create(options.runs_dir, "pool")
-        write_private(folder.pool_owner, json.dumps(records.this_process()).encode())
+        write_private(folder.pool_owner, json.dumps(_process.this_process()).encode())
         for sub in ("orders", "ready"):
             (folder.path / sub).mkdir(mode=0o700)
         pipes: list[int] = []

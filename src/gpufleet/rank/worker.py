@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, _process, _stacks, payload, runtime, timings, tracking
-from gpufleet.rank import warm
 from gpufleet.errors import RankFailure
+from gpufleet.rank import warm
 from gpufleet.rundir import RunDir, check_private_dir
 
 EXIT_GRACE_SECONDS = 30
 _keep_open: list = []  # the stacks file faulthandler writes to
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # gpufleet/
 _PEER_LOSS_MESSAGES = (
     "connection closed by peer",
     "connection reset by peer",

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from gpufleet import _environ, _process
-from gpufleet.runs import execution
-from gpufleet.launchers import devices
 from gpufleet.errors import RunCancelledError
+from gpufleet.launchers import devices
 from gpufleet.payload import load_private
+from gpufleet.runs import execution
 from gpufleet.runs.records import Record
 
 PARENT_POLL_SECONDS = 0.5

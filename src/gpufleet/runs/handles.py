@@ -23,7 +23,6 @@ from typing import TextIO
 from gpufleet import _environ, _process
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launchers import devices
-from gpufleet.launchers.local import _starter
 from gpufleet.payload import load_private, write_private
 from gpufleet.runs import records
 from gpufleet.runs.records import Record
@@ -105,13 +104,13 @@ class Run:
         if follow:
             self._follow(rank, world, out or sys.stdout)
             return None
-        text = io.StringIO() if out is None else out
+        text = io.StringIO()
         attempt = self._record.last_attempt()
         if attempt is not None and rank is not None:
-            _copy_log(attempt.log(rank), text, None)
+            _copy_log(attempt.log(rank), out or text, None)
         elif attempt is not None:
             for r in range(world):
-                _copy_log(attempt.log(r), text, f"[rank {r}] ")
+                _copy_log(attempt.log(r), out or text, f"[rank {r}] ")
         return text.getvalue() if out is None else None
 
     def cancel(self) -> str:
@@ -223,7 +222,7 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
         env[_environ.PARENT_PID] = str(os.getpid())
     log = os.open(record.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return _starter().run(
+        return _process.starter().run(
             subprocess.Popen, [sys.executable, "-m", _process.SUPERVISOR_MODULE, str(record.path)],
             env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(secrets, *((ticket.fd,) if ticket is not None else ())),

@@ -31,9 +31,15 @@ from gpufleet.errors import (
 )
 from gpufleet.payload import write_private
 from gpufleet.rundir import (
-    CANCEL_REQUEST, Attempt, RunDir, attempt_folder, ensure_private_dir, new_id, read_pid, runs_root,
+    CANCEL_REQUEST,
+    Attempt,
+    RunDir,
+    attempt_folder,
+    ensure_private_dir,
+    new_id,
+    read_pid,
+    runs_root,
 )
-
 
 
 class RunStatus(str, Enum):
@@ -171,7 +177,7 @@ class Record:
 
     def supervised_here(self) -> None:
         """Name this process as the run's supervisor."""
-        self.update(supervisor=this_process())
+        self.update(supervisor=_process.this_process())
 
     def begin(self, devices: tuple[str, ...] = ()) -> None:
         self.update(status=RUNNING, started=time.time(), devices=list(devices))
@@ -428,11 +434,6 @@ def _pool_gone(folder: RunDir, before: float) -> bool:
         return True
     pids = [read_pid(p) for p in (folder.path / "pids").glob("rank-*.pid")]
     return bool(pids) and not any(pid is not None and _process.start_ticks(pid) is not None for pid in pids)
-
-
-def this_process() -> dict:
-    """This process as a record names its supervisor (and a pool its owner)."""
-    return {"pid": os.getpid(), "start": _process.start_ticks(os.getpid()), "host": socket.gethostname()}
 
 
 def status_of(error: BaseException | None) -> RunStatus:

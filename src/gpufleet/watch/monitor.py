@@ -2,7 +2,7 @@
 and the run folder, and each rank's stacks on request.
 
 Sampling is cheap (a few small /proc reads twice a second) and needs nothing from the ranks
-but their pid files, heartbeat files and faulthandler (set up by ``_worker``).
+but their pid files, heartbeat files and faulthandler (set up by ``gpufleet.rank.worker``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpufleet import _process, _stacks
-from gpufleet.watch import diagnosis
 from gpufleet.rundir import RunDir, read_pid
+from gpufleet.watch import diagnosis
 
 SAMPLE_EVERY_S = 0.5
 STACKS_WAIT_S = 3.0  # how long ranks get to write their stacks
