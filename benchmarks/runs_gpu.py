@@ -2,7 +2,7 @@
 cancel, a detached run re-attached from another process, and a warm call cancelled while it
 waits for GPUs.
 
-    python benchmarks/runs_gpu.py            # on a machine with 2 or more GPUs
+    python benchmarks/runs_gpu.py            # on a machine with GPUs (2 or more show most)
 
 Prints one line per check and exits non-zero if any failed.
 """
@@ -102,10 +102,10 @@ def concurrent_submits() -> None:
 
 def detached_run() -> None:
     submitter = HERE / "submitter.py"
-    submitter.write_text(textwrap.dedent("""
+    submitter.write_text(textwrap.dedent(f"""
         import os, time, gpufleet
 
-        @gpufleet.distributed(gpus=2, detach=True, tracking=False)
+        @gpufleet.distributed(gpus={min(2, torch.cuda.device_count())}, detach=True, tracking=False)
         def train():
             import torch
             time.sleep(5)

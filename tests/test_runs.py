@@ -142,6 +142,7 @@ def test_submit_returns_a_handle_at_once_and_result_gives_rank_order(runs_dir, t
     assert run.result() == [3, 4]
     assert run.result() == [3, 4], "result() can be asked again"
     assert run.done() and run.status() == "succeeded"
+    assert repr([run.status()]) == "['succeeded']", "a status prints as the plain word it is"
     # cancel() of a finished run changes nothing and says what it was.
     assert run.cancel() == "succeeded"
     assert run.status() == "succeeded"

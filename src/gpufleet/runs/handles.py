@@ -59,12 +59,13 @@ class Run:
         return self._record.read()
 
     def status(self) -> str:
-        """queued, running, succeeded, failed, timeout, cancelled, preempted or lost."""
+        """queued, running, succeeded, failed, timeout, cancelled, preempted or lost (a
+        plain string: ``records.RunStatus``'s value)."""
         status = self._record.status()
         if status not in records.FINAL and self._process is not None and self._process.poll() is not None:
             status = self._record.status()  # it may have ended between the two reads
-            return status if status in records.FINAL else records.LOST
-        return status
+            status = status if status in records.FINAL else records.LOST
+        return status.value
 
     def done(self) -> bool:
         return self.status() in records.FINAL
