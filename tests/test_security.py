@@ -14,7 +14,7 @@ import pytest
 from gpufleet import GpufleetError, distributed, runtime
 from gpufleet.payload import dump_call, write_private
 from gpufleet.rundir import RunDir
-from gpufleet.watch.supervisor import collect
+from gpufleet.watch.outcome import collect
 
 pytestmark = pytest.mark.timeout(60)
 
