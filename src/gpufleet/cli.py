@@ -362,7 +362,12 @@ def _parser() -> argparse.ArgumentParser:
     # before the command too; its own dest, as a subcommand's default would overwrite it
     parser.add_argument("--runs-dir", type=Path, dest="global_runs_dir", metavar="DIR", help=runs_dir_help)
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    _run_command(sub, common)
+    _other_commands(sub, common)
+    return parser
 
+
+def _run_command(sub: Any, common: argparse.ArgumentParser) -> None:
     run = sub.add_parser("run", parents=[common], help="run a script on N GPUs, as torchrun would",
                          description="Run a Python script (or -m module) on every rank, with "
                          "torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), "
@@ -387,6 +392,8 @@ def _parser() -> argparse.ArgumentParser:
     # parameters). Both folders are checked before the command starts.
     run.set_defaults(command=cmd_run, writes=True, starts=True)
 
+
+def _other_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     submit = sub.add_parser("submit", parents=[common], help="start a workload file in the background",
                             description="Start the run a workload file (YAML or JSON) describes; print its id.")
     submit.add_argument("workload", help="the workload file")
@@ -420,4 +427,3 @@ def _parser() -> argparse.ArgumentParser:
             one.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
         if name == "status":
             one.add_argument("--json", action="store_true", help="print the record as JSON")
-    return parser

@@ -1,7 +1,7 @@
 """The options of a distributed call, checked before anything starts.
 
 Checks here need no hardware; those that do (how many GPUs are visible, their type) live in
-``hardware.py`` and run when the call is made.
+``launchers/hardware.py`` and run when the call is made.
 """
 
 from __future__ import annotations

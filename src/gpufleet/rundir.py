@@ -47,6 +47,11 @@ class RunDir:
         return self.path.name
 
     @property
+    def run_id(self) -> str:
+        """The run the folder belongs to: itself, unless it is an attempt (``Attempt``)."""
+        return self.path.name
+
+    @property
     def payload(self) -> Path:
         return self.path / "payload.pkl"
 
@@ -99,12 +104,12 @@ class RunDir:
         return self.path / "tracking.json"
 
     def orders(self, rank: int) -> Path:
-        """A warm pool's pipe to rank N: one line per call (``pools.py``)."""
+        """A warm pool's pipe to rank N: one line per call (``launchers/warm.py``)."""
         return self.path / "orders" / f"rank-{rank}"
 
     def ready(self, rank: int) -> Path:
         """How many calls a warm rank has finished and cleaned up after: the caller hands
-        over the next call once every rank has (``pools.py``)."""
+        over the next call once every rank has (``launchers/warm.py``)."""
         return self.path / "ready" / f"rank-{rank}"
 
     @property

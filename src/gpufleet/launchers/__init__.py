@@ -24,7 +24,6 @@ _LAUNCHERS = {
     "warm": ("gpufleet.launchers.warm", "WarmLauncher"),
     "ray": ("gpufleet.launchers.ray", "RayLauncher"),
 }
-REMOTE = ("ray",)  # the launchers that ``remote=`` names
 
 
 def place(options: RunOptions) -> Placement:

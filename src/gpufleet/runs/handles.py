@@ -1,6 +1,6 @@
 """Handles on runs: ``.submit()`` starts a run in a background process and returns a ``Run``;
 ``attach(run_id)`` and ``runs()`` give the same handle on any run in the runs folder, from any
-process (docs/design.md, "Run records and handles").
+process (docs/design.md, "Runs: records, handles, devices, the command line").
 """
 
 from __future__ import annotations

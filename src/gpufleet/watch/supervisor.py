@@ -82,7 +82,7 @@ class Supervisor:
         ranks live on). ``stamps``: the caller's instants so far (``timings.py``);
         ``tracking``: the run's MLflow run, handed to the ranks once it exists."""
         self.job = job
-        self.run = job.attempt
+        self.folder = job.attempt  # where the ranks write
         self.world_size = job.world_size
         self.monitor = job.monitor
         self.returned = False  # every rank wrote its result and the ranks live on
@@ -90,12 +90,12 @@ class Supervisor:
         self.began = self.stamps.get("call", time.time())  # for the status line's clock
         self.tracking = tracking  # handed to the ranks once ready (tracking.json)
         self.tracking_due = time.monotonic() + CALLER_WAIT_S
-        self.attempt = attempt
+        self.number = attempt  # 0: the first attempt
         self.preemption = preemption
         self.options = options
         self.display = progress.open_display()  # draws nothing until the call has run a while
-        self.follower = LogFollower(self.run.log, self.world_size, options.shows_rank, display=self.display)
-        self.progress = progress.ProgressFile(self.run.progress)
+        self.follower = LogFollower(self.folder.log, self.world_size, options.shows_rank, display=self.display)
+        self.progress = progress.ProgressFile(self.folder.progress)
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
 
     def wait(self, deadline: float | None = None) -> list:
@@ -128,19 +128,19 @@ class Supervisor:
     def _status(self, outcome: str | None = None) -> progress.Status:
         step, metrics = self.progress.read()
         return progress.Status(
-            name=self.run.name, world_size=self.world_size,
+            name=self.folder.name, world_size=self.world_size,
             elapsed=time.time() - self.began,
             alive=None if outcome else self.monitor.alive(), step=step, metrics=metrics,
-            attempt=self.attempt, outcome=outcome,
+            attempt=self.number, outcome=outcome,
         )
 
     def _save_timings(self) -> None:
         try:
-            found = timings.gather(self.run.path, self.stamps, self.world_size)
+            found = timings.gather(self.folder.path, self.stamps, self.world_size)
         except OSError:  # the run folder is gone: nothing to keep, nothing to print
             return
         if self.options.show_timings:
-            print(f"gpufleet: timings of {self.run.name}\n{found.table()}", file=sys.stderr, flush=True)
+            print(f"gpufleet: timings of {self.folder.name}\n{found.table()}", file=sys.stderr, flush=True)
 
     def _wait(self, deadline: float | None) -> list:
         if deadline is None and self.options.timeout is not None:
@@ -155,7 +155,7 @@ class Supervisor:
                 self.stop()
         except KeyboardInterrupt:
             self.stop()
-            print(f"gpufleet: interrupted; stopped every rank of {self.run.name}", file=sys.stderr)
+            print(f"gpufleet: interrupted; stopped every rank of {self.folder.name}", file=sys.stderr)
             raise
         finally:
             self.follower.close()
@@ -170,7 +170,7 @@ class Supervisor:
         if error is not None:
             raise error
         try:
-            values = outcome.collect(self.run, self.world_size, self.job)
+            values = outcome.collect(self.folder, self.world_size, self.job)
         except RunFailedError:
             self._end_ranks()  # a failed call returns once its ranks are gone
             raise
@@ -189,13 +189,13 @@ class Supervisor:
             return outcome.timed_out(self.job, self.options)
         if ending == Ending.CANCEL:
             return RunCancelledError(
-                [], run_dir=self.run.path, world_size=self.world_size,
-                headline=f"run {self.run.path.parent.name} was cancelled: every rank was stopped",
+                [], run_dir=self.folder.path, world_size=self.world_size,
+                headline=f"run {self.folder.run_id} was cancelled: every rank was stopped",
             )
         if ending == Ending.DELETED:
             return RunFailedError(
-                [], run_dir=self.run.path, world_size=self.world_size,
-                headline=f"the run's folder {self.run.path} was deleted while it ran, so its "
+                [], run_dir=self.folder.path, world_size=self.world_size,
+                headline=f"the run's folder {self.folder.path} was deleted while it ran, so its "
                 "logs, results and record were gone: every rank was stopped",
             )
         return None
@@ -213,11 +213,11 @@ class Supervisor:
         while self.job.poll() is None:
             if self.follower.poll():
                 self.monitor.progress()
-            if self.run.cancel_request is not None and self.run.cancel_request.exists():
+            if self.folder.cancel_request is not None and self.folder.cancel_request.exists():
                 return Ending.CANCEL
-            if not self.run.path.is_dir():  # nothing could be kept, nor the run be cancelled
+            if not self.folder.path.is_dir():  # nothing could be kept, nor the run be cancelled
                 return Ending.DELETED
-            if all(self.run.result(r).exists() for r in range(self.world_size)):
+            if all(self.folder.result(r).exists() for r in range(self.world_size)):
                 self.stamps["ranks_returned"] = time.time()
                 self.follower.poll()
                 self.returned = True
@@ -247,10 +247,10 @@ class Supervisor:
             return
         self.tracking = None
         try:
-            write_private(self.run.tracking, json.dumps(pending.env()).encode())
+            write_private(self.folder.tracking, json.dumps(pending.env()).encode())
         except OSError as exc:  # the ranks go on untracked after their own wait
             print(f"gpufleet: MLflow run not handed to the ranks: {exc}", file=sys.stderr, flush=True)
-        pending.attempt(self.attempt)
+        pending.attempt(self.number)
 
     def _ask_to_stop(self) -> None:
         """After a SIGTERM: ``stop-requested`` in the run folder (``runtime.should_stop()``),
@@ -260,7 +260,7 @@ class Supervisor:
             return
         if self.stop_deadline is None:
             self.stop_deadline = asked_at + self.options.grace_period
-            write_private(self.run.stop_request, b"SIGTERM\n")
+            write_private(self.folder.stop_request, b"SIGTERM\n")
             print(
                 f"gpufleet: SIGTERM: asked every rank to stop (runtime.should_stop() is now True); "
                 f"ranks still running in {self.options.grace_period:g} s will be stopped",
