@@ -67,9 +67,10 @@ class LocalLauncher(Launcher[LaunchPlan]):
     def launch(self, plan: LaunchPlan) -> "LocalJob":
         lease = self._hold_devices()
         self.gate.begin(lease.ids)
-        folder = plan.folder
-        agent = launch(LaunchPlan(folder, plan.argv, {**plan.env, **lease.env()}, plan.nprocs))
-        return LocalJob(agent, folder, plan.nprocs)
+        # the devices replace this process's CUDA_VISIBLE_DEVICES; a caller's env= still wins
+        env = {**plan.env, **lease.env(), **self.options.env}
+        agent = launch(LaunchPlan(plan.folder, plan.argv, env, plan.nprocs))
+        return LocalJob(agent, plan.folder, plan.nprocs)
 
     def close(self) -> None:
         """Free the devices once the values are back: the ranks may still be exiting (their
