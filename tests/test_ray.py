@@ -50,7 +50,7 @@ RELEASE_S = 15.0  # for the actors and the placement group to be gone after a ca
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The measured recipe (PLATFORM-NOTES): every node on 127.0.0.1, no token file in the
+    """A measured recipe for a cluster on one machine: every node on 127.0.0.1, no token file in the
     home folder, Ray's files in a folder of its own (short: Ray's socket paths must fit).
     The nodes' temporary folder is in it too: a rank lost with its node leaves its node's
     copy of the run there, as a dead machine would."""
