@@ -57,7 +57,7 @@ def _planted_run(tmp_path, marker):
 def _start_rank(run):
     """A rank's entry run by hand on the folder, as the agent's template would run it."""
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    cmd = [sys.executable, "-c", "import sys; from gpufleet import _worker; _worker.main(sys.argv[1])",
+    cmd = [sys.executable, "-c", "import sys; from gpufleet.rank import worker; worker.main(sys.argv[1])",
            str(run.path)]
     return subprocess.run(cmd, env=env, timeout=60)
 
