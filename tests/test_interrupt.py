@@ -17,10 +17,15 @@ pytestmark = pytest.mark.timeout(90)
 INTERRUPT_BOUND_S = 10.0
 
 SCRIPT = """
+import signal
 import sys
 import time
 
 from gpufleet import distributed, runtime
+
+# Python's Ctrl-C handler, as a script started from a terminal has, even when the tests were
+# started with SIGINT ignored (a background job of a shell without job control, nohup)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @distributed(gpus=2, runs_dir=sys.argv[1])
