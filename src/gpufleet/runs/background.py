@@ -30,7 +30,7 @@ PARENT_POLL_SECONDS = 0.5
 def main(argv: list[str]) -> int:
     # a submitter started in the background (`cmd &`) ignores SIGINT, and so would this
     # process: Ctrl-C, the death signal and cancel's last resort all rely on it
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt_once)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # nor block it
     record = Record(Path(argv[1]))
     record.supervised_here()
@@ -58,6 +58,19 @@ def main(argv: list[str]) -> int:
         return 1
     print(f"gpufleet: run {record.id} succeeded", flush=True)
     return 0
+
+
+_interrupted = False
+
+
+def _interrupt_once(signum, frame) -> None:
+    """SIGINT stops the run once. The death signal and its backup (or a cancel's last resort)
+    often both come; a second KeyboardInterrupt would cut short the writing of the run's final
+    status, which a reader would then see as lost."""
+    global _interrupted
+    if not _interrupted:
+        _interrupted = True
+        raise KeyboardInterrupt
 
 
 def _watch_parent(parent: int) -> None:
