@@ -25,6 +25,9 @@ PARAMETERS = "GPUFLEET_PARAMETERS"  # a workload's parameters file, for its rank
 # an inherited in-memory file (this variable names its descriptor), never the run folder.
 CALL_SECRETS_FD = "GPUFLEET_CALL_SECRETS_FD"
 RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use by default
+# Set in a run's Ray job (runs/cluster.py): its supervisor runs as the job's entrypoint, and
+# the ranks' actors inherit the job's runtime_env instead of shipping their own.
+RAY_JOB = "GPUFLEET_RAY_JOB"
 
 
 def int_var(name: str, default: int) -> int:
@@ -93,6 +96,11 @@ def gpufleet_home() -> Path:
     """``$GPUFLEET_HOME`` (default ``~/.gpufleet``), its symlinks resolved: a link the user
     made (to a larger disk, say) is their choice; what it points at must then be private."""
     return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet").expanduser().resolve()
+
+
+def in_ray_job() -> bool:
+    """True in the supervisor of a run submitted as a Ray job, and in what it starts."""
+    return os.environ.get(RAY_JOB) == "1"
 
 
 def ray_address() -> str | None:

@@ -21,7 +21,7 @@ from gpufleet.options import (
     RunOptions,
     Unchanged,
 )
-from gpufleet.runs import execution, handles
+from gpufleet.runs import cluster, execution, handles
 
 if TYPE_CHECKING:
     from gpufleet.runs.handles import Run
@@ -100,6 +100,9 @@ class DistributedFunction(Generic[R]):
                 "for the run here: drop detach, or call .submit()"
             )
         call = self._prepare(args, kwargs)
+        address = cluster.jobs_address(call, submitting=False)
+        if address is not None:  # a Ray Jobs address: the run is supervised on the cluster
+            return cluster.submit(call, address).follow()
         record = call.record(detached=False)
         record.supervised_here()
         return execution.execute(call, record, on_attempt=self._started)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import gpufleet
+from gpufleet import _environ
 from gpufleet.errors import ConfigError
 from gpufleet.launchers._ray_node import version
 
@@ -37,7 +38,9 @@ def build(options, cwd: Path) -> tuple[dict, list[str]]:
     """The runtime_env of every rank's actor (local paths, uploaded by ``upload``), and
     notes for the user about what was left out."""
     user = dict(options.runtime_env or {})
-    notes = []
+    notes: list[str] = []
+    if _environ.in_ray_job():  # the job shipped it all once (runs/cluster.py); actors inherit it
+        return ({"env_vars": user["env_vars"]} if user.get("env_vars") else {}), notes
     if "working_dir" in user:
         working_dir = user.pop("working_dir")  # a path or URI, or None: ship none
         working_dir = None if working_dir is None else str(working_dir)
@@ -193,6 +196,28 @@ def check_versions(nodes: dict[str, dict]) -> None:
             f"torch's pickles. Found {'; '.join(wrong)}. Install the same versions on the nodes "
             "(their image or environment), or choose one with runtime_env= (e.g. a container "
             "image or conda environment)"
+        )
+
+
+def origin() -> dict[str, str]:
+    """What pickled a call here, for ``check_submitter`` on the cluster."""
+    return {"python": platform.python_version(), "torch": version("torch") or "none"}
+
+
+def check_submitter(python: str, torch: str | None) -> None:
+    """In a run's Ray job (``runs/cluster_job.py``): ConfigError unless this node runs the
+    submitter's Python (major.minor) and torch release, which pickled the call."""
+    here = origin()
+    wrong = []
+    if _minor(python) != _minor(here["python"]):
+        wrong.append(f"Python {here['python']} (the submitter: {python})")
+    if _release(torch) != _release(here["torch"]):
+        wrong.append(f"torch {here['torch'] or 'missing'} (the submitter: {torch})")
+    if wrong:
+        raise ConfigError(
+            f"the Ray cluster's head {platform.node()} runs {', '.join(wrong)}: the call travels "
+            "as Python bytecode and tensors as torch's pickles, so submit from an environment "
+            "with the cluster's Python (major.minor) and torch release"
         )
 
 

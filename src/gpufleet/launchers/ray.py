@@ -28,6 +28,8 @@ from typing import Any
 from gpufleet import _environ
 from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
 from gpufleet.launchers import _ray_env
+from gpufleet.launchers._ray_env import check_submitter as check_submitter  # for runs/
+from gpufleet.launchers._ray_env import origin as origin
 from gpufleet.launchers._ray_job import RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.launchers.base import Gate, Launcher
@@ -41,6 +43,7 @@ ACCELERATOR_SHARE = 0.001  # of a node's accelerator_type resource: pins bundles
 WAIT_NOTICE_S = 2.0  # a placement that takes longer is announced (the GPUs are busy)
 SETUP_NOTICE_S = 10.0  # a set-up that takes longer is announced (pip on the nodes, say)
 WAIT_REPEAT_S = 30.0
+JOB_STOP_WAIT_S = 30  # a run's Ray job: from stop_job's SIGINT to Ray's SIGKILL
 CLUSTER_FILE = "cluster.json"  # in the run folder: where each rank ran, and the launch's phases
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK",
               "strict_spread": "STRICT_SPREAD"}
@@ -123,12 +126,13 @@ class Slot:
 
 
 _connected_with: str | None = None  # the address this process's connection was made with
+_started_locally = False  # this process started a local Ray instance (no address given)
 
 
 def connect(address: str | None):
     """This process's Ray connection: the one it has, else ``address``, else RAY_ADDRESS,
     else a new local Ray instance. It stays open after the call, as a notebook's would."""
-    global _connected_with
+    global _connected_with, _started_locally
     try:
         import ray
     except ImportError as exc:
@@ -155,7 +159,7 @@ def connect(address: str | None):
     try:
         with _signal_handlers_kept():
             ray.init(**options)
-        _connected_with = wanted
+        _connected_with, _started_locally = wanted, wanted is None
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = f"connect to the Ray cluster at {wanted!r}" if wanted else "start a local Ray instance"
         raise ConfigError(
@@ -184,11 +188,83 @@ def _signal_handlers_kept():
                 signal.signal(sig, handler)
 
 
+def dashboard_address(ray_address: str | None) -> str | None:
+    """The Ray Jobs address (``http://HEAD:8265``, the dashboard's) that ``ray_address`` or
+    RAY_ADDRESS gives, when it is given in that form: such a run is submitted as a Ray job
+    (``runs/cluster.py``) and this process never joins the cluster as a driver."""
+    address = ray_address or _environ.ray_address()
+    if address and address.startswith(("http://", "https://")):
+        return address.rstrip("/")
+    return None
+
+
+def dashboard_of_connection() -> str | None:
+    """The Ray Jobs address of the cluster this process is connected to as a driver; None
+    for a local Ray instance it started itself (which ends with it)."""
+    import ray
+
+    if not ray.is_initialized() or (_connected_with is None and _started_locally):
+        return None
+    url = ray._private.worker.get_dashboard_url()  # the address_info of ray.init, for any connection
+    if not url:
+        raise ConfigError(
+            f"the Ray cluster at {ray.get_runtime_context().gcs_address} runs no dashboard, "
+            "which a submitted run's supervisor needs (Ray Jobs): start the head with "
+            "`ray start --head --dashboard-host=0.0.0.0` (ray[default]), or run in the foreground"
+        )
+    return url if "://" in url else f"http://{url}"
+
+
+def job_runtime_env(options: RunOptions, cwd: Path, package: Path) -> tuple[dict, list[str]]:
+    """The runtime_env of a run's Ray job (``runs/cluster.py``): what every rank's actor
+    would ship (gpufleet, the caller's modules, the working directory, pip), shipped once
+    for the job (the actors inherit it), plus the job's own ``package``, and the variables
+    that make ``stop_job`` a cancel. Environment values (``env=``, ``env_vars``) stay out:
+    they travel in the package."""
+    runtime_env, notes = _ray_env.build(options.without_secrets(), cwd)
+    runtime_env["py_modules"] = [*runtime_env.get("py_modules", []), str(package)]
+    runtime_env["env_vars"] = {
+        _environ.RAY_JOB: "1",
+        "RAY_JOB_STOP_SIGNAL": "SIGINT",  # Ctrl-C to the supervisor: it stops every rank
+        "RAY_JOB_STOP_WAIT_TIME_S": str(JOB_STOP_WAIT_S),  # before Ray's SIGKILL
+    }
+    return runtime_env, notes
+
+
 def place(options: RunOptions) -> ClusterPlacement:
     """How many ranks of which device, or ConfigError when the cluster can never hold them."""
+    dashboard = dashboard_address(options.ray_address)
+    if dashboard is not None:
+        return _place(options, dashboard, dashboard_nodes(dashboard))
     ray = connect(options.ray_address)
     address = ray.get_runtime_context().gcs_address
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return _place(options, address, [n for n in ray.nodes() if n.get("Alive")])
+
+
+def dashboard_nodes(url: str) -> list[dict]:
+    """The live nodes of the cluster whose dashboard is at ``url`` (Ray's state API, over
+    HTTP), described as ``ray.nodes()`` describes them."""
+    try:
+        from ray.util.state import list_nodes
+    except ImportError as exc:
+        raise ConfigError(
+            f"ray_address={url!r} is a Ray Jobs address, and Ray is not installed here ({exc}); "
+            "pip install 'gpufleet[ray]'"
+        ) from exc
+    try:
+        found = list_nodes(address=url, filters=[("state", "=", "ALIVE")], limit=10_000,
+                           raise_on_missing_output=False)
+    except Exception as exc:  # Ray raises its own kinds for an unreachable or older dashboard
+        raise ConfigError(
+            f"cannot reach the Ray dashboard at {url}: {type(exc).__name__}: {exc}; check "
+            "ray_address= or RAY_ADDRESS (the head's dashboard, started with "
+            "`ray start --head --dashboard-host=0.0.0.0`, port 8265 by default)"
+        ) from exc
+    return [{"Alive": True, "Resources": dict(n.resources_total or {}), "NodeManagerAddress": n.node_ip,
+             "NodeID": n.node_id} for n in found]
+
+
+def _place(options: RunOptions, address: str, nodes: list[dict]) -> ClusterPlacement:
     if not any(n["Resources"].get("GPU", 0) >= 1 for n in nodes):
         if options.gpu_type:
             raise ConfigError(

@@ -175,6 +175,11 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
     place in line for devices is taken now, so runs submitted in a row start in that order."""
     import cloudpickle
 
+    from gpufleet.runs import cluster
+
+    address = cluster.jobs_address(call, submitting=True)
+    if address is not None:  # supervised on the cluster, as a Ray job
+        return cluster.submit(call, address, argv=fields.get("argv"))
     record = call.record(detached=call.options.detach, background=True, **fields)
     env = dict(env or {})
     ticket = secrets = None
@@ -232,15 +237,33 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
         os.close(log)
 
 
-def attach(run_id: str, runs_dir: str | os.PathLike | None = None) -> Run:
+def attach(run_id: str, runs_dir: str | os.PathLike | None = None, ray_address: str | None = None) -> Run:
     """The handle of a run by its id (or a unique start or 6-digit end of it), from any
-    process: a detached run's logs and result after the notebook that started it is gone."""
-    return Run(records.find(run_id, _root(runs_dir)))
+    process: a detached run's logs and result after the notebook that started it is gone.
+    A run not in this machine's runs folder is looked for in the Ray cluster whose Jobs
+    address (``http://HEAD:8265``) ``ray_address`` or RAY_ADDRESS gives."""
+    from gpufleet.launchers.ray import dashboard_address
+    from gpufleet.runs import cluster
+
+    try:
+        return cluster.attached(records.find(run_id, _root(runs_dir)))
+    except ConfigError:
+        address = dashboard_address(ray_address)
+        if address is None:
+            raise
+        return cluster.find(run_id, address, _root(runs_dir))
 
 
-def runs(runs_dir: str | os.PathLike | None = None) -> list[Run]:
-    """Every run in the runs folder, newest first."""
-    return [Run(r) for r in records.all_records(_root(runs_dir))]
+def runs(runs_dir: str | os.PathLike | None = None, ray_address: str | None = None) -> list[Run]:
+    """Every run in the runs folder, newest first; with a Ray Jobs address
+    (``ray_address`` or RAY_ADDRESS), every run of that cluster too."""
+    from gpufleet.launchers.ray import dashboard_address
+    from gpufleet.runs import cluster
+
+    address = dashboard_address(ray_address)
+    if address is not None:
+        cluster.sync(address, _root(runs_dir))
+    return [cluster.attached(r) for r in records.all_records(_root(runs_dir))]
 
 
 def _root(runs_dir) -> Path | None:

@@ -86,10 +86,12 @@ class Record:
         self.path = Path(path)
 
     @classmethod
-    def create(cls, runs_dir: Path | None, name: str, **fields) -> "Record":
+    def create(cls, runs_dir: Path | None, name: str, run_id: str | None = None, **fields) -> "Record":
+        """A new run's folder and record; ``run_id`` keeps an id given elsewhere (a run
+        supervised on a cluster has one id on the cluster and on the machine it came from)."""
         root = runs_root(runs_dir)
         ensure_private_dir(root)
-        record = cls(root / new_id(name))
+        record = cls(root / (run_id or new_id(name)))
         record.path.mkdir(mode=0o700)
         _set_aside(record.spare, SPARE_BYTES)
         record._write({

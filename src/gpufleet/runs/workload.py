@@ -34,6 +34,7 @@ FIELDS = {
     "hang_timeout": "seconds without progress before the run counts as hung",
     "experiment": "an MLflow experiment name",
     "remote": "true to run on a Ray cluster",
+    "ray_address": "with remote: the Ray cluster, e.g. 'http://HEAD:8265' (its Jobs address)",
 }
 ENTRY_POINTS = ("script", "module", "command")
 
@@ -81,7 +82,7 @@ def load(path: str | os.PathLike) -> Workload:
         raise ConfigError(f"{path}: 'args' goes with 'script' or 'module'; put them in 'command'")
     workload = Workload(path, folder, entry, target, [str(a) for a in data.get("args", [])])
     workload.options = {k: data[k] for k in ("name", "gpus", "gpu_type", "max_retries", "timeout",
-                                             "hang_timeout", "remote") if k in data}
+                                             "hang_timeout", "remote", "ray_address") if k in data}
     workload.options["env"] = {key: str(value) for key, value in data.get("env", {}).items()}
     _check_values(path, workload.options)
     if "parameters" in data:
@@ -111,6 +112,7 @@ def _check_type(path: Path, name: str, value: Any) -> None:
         "hang_timeout": (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None,
         "experiment": isinstance(value, str) and value.strip(),
         "remote": isinstance(value, bool),
+        "ray_address": isinstance(value, str) and value.strip(),
     }[name]
     if not ok:
         raise ConfigError(f"{path}: field {name!r} is {value!r}; it must be {FIELDS[name]}")
@@ -136,8 +138,8 @@ def _check_values(path: Path, options: dict[str, Any]) -> None:
     """Each value as ``@distributed`` checks it (gpus at least 1, a timeout above 0, ...),
     before anything starts; the error names the file and the field."""
     for name, value in options.items():
-        try:
-            RunOptions.create(**{name: value})
+        try:  # a cluster's option is checked as a remote run's
+            RunOptions.create(**{name: value}, **({"remote": True} if name == "ray_address" else {}))
         except ConfigError as exc:
             raise ConfigError(f"{path}: field {name!r}: {exc}") from None
 

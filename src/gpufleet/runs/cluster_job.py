@@ -1,0 +1,148 @@
+"""The supervisor of a run submitted to a Ray cluster: the entrypoint of its Ray job,
+``python -m gpufleet.runs.cluster_job PACKAGE`` (``cluster.py`` submits it).
+
+It runs on the cluster's head, as a Ray driver of the job, exactly as ``.distributed()`` would
+run the call in a caller (``execution.execute``): the same record (in the head's runs folder,
+under the id the submitter gave), attempts, retries, hang diagnosis, timeout and MLflow
+status. What a submitter sees of it travels in the job's log, the one channel Ray Jobs gives
+a machine that reaches only the dashboard: every rank's lines (``[rank N] ...``), gpufleet's
+own, and two kinds of event lines that ``cluster.py`` reads back and never shows:
+
+    gpufleet-record: {...}       the run's record.json, each time it changes
+    gpufleet-outcome: BASE64     at the end: the values, or the error (cloudpickle)
+
+``stop_job`` (``Run.cancel()``) sends SIGINT (the job's RAY_JOB_STOP_SIGNAL), which stops
+every rank as Ctrl-C does in a caller; a SIGTERM from elsewhere (the head going down) is a
+preemption, as for any run.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from gpufleet import _environ
+from gpufleet.errors import ConfigError, RunCancelledError
+from gpufleet.launchers import place
+from gpufleet.launchers.ray import check_submitter
+from gpufleet.runs import execution
+from gpufleet.runs.cluster import CALL_FILE, ORIGIN_FILE, OUTCOME_EVENT, RECORD_EVENT, SECRETS_FILE
+from gpufleet.runs.records import Record
+
+RECORD_POLL_S = 0.5
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, _interrupt_once)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    package = _package(argv[1])
+    origin = json.loads((package / ORIGIN_FILE).read_text())
+    try:
+        check_submitter(origin["python"], origin["torch"])
+        call, secrets = _load(package)
+    except BaseException as exc:  # nothing started: the submitter reads why
+        _outcome({"error": exc})
+        return 2
+    record = Record.create(None, call.name, run_id=origin["run_id"], function=call.function,
+                           kind=call.kind, gpus=call.placement.nprocs, device=call.placement.device,
+                           remote=call.options.remote, background=True, detached=True,
+                           cluster={"address": origin["address"], "job": origin["job"]},
+                           argv=origin.get("argv"))
+    record.supervised_here()
+    stop = threading.Event()
+    mirror = threading.Thread(target=_mirror_record, args=(record, stop), name="gpufleet-record",
+                              daemon=True)
+    mirror.start()
+    code = 0
+    outcome: dict[str, Any] = {}  # {"values": [...]} or {"error": exc}
+    try:
+        options = call.options.replace(ray_address=None, logs="all", detach=False)
+        call.options = options.with_secrets(secrets)
+        call.placement = place(call.options)  # this cluster, as its driver (RAY_ADDRESS)
+        outcome = {"values": execution.execute(call, record)}
+    except (KeyboardInterrupt, RunCancelledError) as exc:
+        outcome, code = {"error": record.cancelled() if isinstance(exc, KeyboardInterrupt) else exc}, 130
+    except BaseException as exc:
+        outcome, code = {"error": exc}, 1
+    finally:
+        stop.set()
+        mirror.join()
+    _print_record(record)
+    _outcome(outcome)
+    return code
+
+
+def _package(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"gpufleet: the run's package {name!r} is not in this job's runtime_env")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _load(package: Path):
+    import cloudpickle
+
+    secrets_file = package / SECRETS_FILE
+    secrets: dict = {"env": {}, "env_vars": {}, "supervisor": {}}
+    if secrets_file.exists():  # read into memory, then gone from the node's disk
+        secrets.update(json.loads(secrets_file.read_text()))
+        secrets_file.unlink()
+    os.environ.update(secrets.pop("supervisor"))  # the submitter's MLflow settings
+    # MLflow's default store is a file in the working directory, which here is the job's copy,
+    # deleted with it: the head's gpufleet home keeps the runs' store instead
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_environ.gpufleet_home() / 'mlflow.db'}")
+    call = cloudpickle.loads((package / CALL_FILE).read_bytes())
+    return call, secrets
+
+
+def _mirror_record(record: Record, stop: threading.Event) -> None:
+    last = None
+    while not stop.wait(RECORD_POLL_S):
+        last = _print_record(record, last)
+
+
+def _print_record(record: Record, last: bytes | None = None) -> bytes | None:
+    try:
+        raw = record.file.read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError):  # being replaced this instant: the next poll reads it
+        return last
+    if raw != last:
+        data.pop("supervisor", None)
+        print(RECORD_EVENT + json.dumps(data, separators=(",", ":")), flush=True)
+    return raw
+
+
+def _outcome(outcome: dict) -> None:
+    import cloudpickle
+
+    try:
+        data = cloudpickle.dumps(outcome)
+    except Exception as exc:  # values that cannot be pickled: say so rather than lose the run
+        data = cloudpickle.dumps({"error": ConfigError(
+            f"the run ended but its {'values' if 'values' in outcome else 'error'} could not be "
+            f"sent back: {type(exc).__name__}: {exc}")})
+    print(OUTCOME_EVENT + base64.b64encode(data).decode(), flush=True)
+
+
+_interrupted = False
+
+
+def _interrupt_once(signum, frame) -> None:
+    """stop_job's SIGINT stops the run once; a repeat must not cut short its final record."""
+    global _interrupted
+    if not _interrupted:
+        _interrupted = True
+        raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    os.environ.setdefault(_environ.RAY_JOB, "1")
+    sys.exit(main(sys.argv))
