@@ -43,6 +43,7 @@ OUTCOME_EVENT = "gpufleet-outcome: "  # at the end: base64 of {"values": [...]} 
 CALL_FILE, SECRETS_FILE, ORIGIN_FILE = "call.pkl", "secrets.json", "origin.json"
 CANCEL_WAIT_S = 60  # stop_job: the ranks stop (Ray's SIGKILL after 30 s), the record ends
 POLL_SECONDS = 0.5
+AGENT_WAIT_S = 60.0  # for the job agent of a head that has just started
 VALUES_FILE = "values.pkl"  # in the mirror: a succeeded run's values
 # The submitter's tracking settings travel to the job's supervisor with the call's secrets
 # (a tracking URI may hold credentials): never in the job's metadata or runtime_env.
@@ -84,8 +85,8 @@ def submit(call, address: str, argv: list[str] | None = None) -> ClusterRun:
             runtime_env, notes = job_runtime_env(call.options, Path.cwd(), package)
             for note in notes:
                 print(f"gpufleet: {note}", file=sys.stderr, flush=True)
-            client.submit_job(
-                entrypoint=f"python -m gpufleet.runs.cluster_job {package.name}",
+            _submit_job(
+                client, entrypoint=f"python -m gpufleet.runs.cluster_job {package.name}",
                 submission_id=job, runtime_env=runtime_env, entrypoint_num_cpus=0,
                 metadata={"gpufleet_run": record.id, "gpufleet_name": record.read()["name"],
                           "gpufleet_gpus": str(call.placement.nprocs),
@@ -102,6 +103,20 @@ def submit(call, address: str, argv: list[str] | None = None) -> ClusterRun:
     if not call.options.detach:
         _undetached.append(run)
     return run
+
+
+def _submit_job(client, **job) -> None:
+    """``submit_job``, again for a while when the head's job agent is not up yet (a head that
+    has just started answers "No available agent to submit job" for a few seconds)."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            client.submit_job(**job)
+            return
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def _package(scratch: Path, call, record: Record, address: str, job: str,
@@ -259,7 +274,7 @@ class ClusterRun(Run):
         if follow:
             self._tail(rank, out or sys.stdout)
             return None
-        text = "".join(_shown(line, rank) for line in self._log().splitlines(keepends=True))
+        text = "".join(_shown(line, rank) for line in _last_attempt(self._log().splitlines(keepends=True)))
         if out is None:
             return text
         out.write(text)
@@ -364,6 +379,15 @@ def _events(log: str) -> tuple[dict, dict | None]:
             if "values" in outcome:
                 outcome["raw_values"] = cloudpickle.dumps(outcome["values"])
     return record, outcome
+
+
+def _last_attempt(lines: list[str]) -> list[str]:
+    """The lines of the run's last attempt, as a local run's logs are: from the record event
+    that first names it on."""
+    counts = [len(json.loads(line[len(RECORD_EVENT):])["attempts"]) if line.startswith(RECORD_EVENT) else -1
+              for line in lines]
+    last = max(counts, default=-1)
+    return lines[counts.index(last):] if last > 0 else lines
 
 
 def _shown(line: str, rank: int | None) -> str:
