@@ -38,7 +38,7 @@ JOB_PREFIX = "gpufleet-"  # a run's Ray job is gpufleet-<run id>
 # The job's log carries, beside the lines of the ranks and of gpufleet, these event lines from
 # its supervisor (cluster_job.py), read back here and never shown:
 RECORD_EVENT = "gpufleet-record: "  # the run's record.json, each time it changes
-OUTCOME_EVENT = "gpufleet-outcome: "  # at the end: base64 of {"values": [...]} or {"error": exc}
+OUTCOME_EVENT = "gpufleet-outcome: "  # at the end: STATUS values|error BASE64 (cloudpickle)
 # What the job's own package holds, beside an empty __init__.py
 CALL_FILE, SECRETS_FILE, ORIGIN_FILE = "call.pkl", "secrets.json", "origin.json"
 CANCEL_WAIT_S = 60  # stop_job: the ranks stop (Ray's SIGKILL after 30 s), the record ends
@@ -252,7 +252,8 @@ class ClusterRun(Run):
         return self._refresh()
 
     def status(self) -> str:
-        return self._refresh()["status"]
+        data = self._refresh()
+        return str(records.LOST) if data.get("lost") else data["status"]
 
     def wait(self, timeout: float | None = None) -> str:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -328,19 +329,21 @@ class ClusterRun(Run):
             if status == "PENDING":
                 fields["status"] = records.QUEUED
             return self._record.update(**fields)
-        if outcome is None or fields.get("status") not in records.FINAL:
+        if outcome is None:  # stopped before it began, or its supervisor died (the head, a kill)
             info = jobs.get_job_info(self.job)
-            ended = records.CANCELLED if status == "STOPPED" else records.LOST
             error = GpufleetError(
                 f"run {self.id}'s Ray job {self.job} ended ({status}: {info.message or 'no message'}) "
                 f"without its outcome; its log: `ray job logs {self.job}` at {self.address}"
             )
             self._record.keep(error)
-            fields.update(status=ended, ended=time.time(), error=str(error))
-        elif "values" in outcome:
-            write_private(self.path / VALUES_FILE, outcome["raw_values"])
-        else:
-            self._record.keep(outcome["error"])
+            # a record says how a run ended, never "lost": the mirror says so beside it
+            stopped = status == "STOPPED"
+            fields.update(status=records.CANCELLED if stopped else records.FAILED, lost=not stopped,
+                          ended=time.time(), error=str(error))
+        else:  # kept as the cluster pickled them: unpickled by result() alone
+            ended, kind, pickled = outcome
+            write_private(self.path / (VALUES_FILE if kind == "values" else self._record.outcome.name), pickled)
+            fields.update(status=ended, ended=fields.get("ended") or time.time())
         self._record.spare.unlink(missing_ok=True)
         return self._record.update(**fields)
 
@@ -364,20 +367,17 @@ _JOB_ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 _MIRRORED = ("status", "started", "ended", "attempts", "devices", "error", "mlflow_run_id", "gpus", "device")
 
 
-def _events(log: str) -> tuple[dict, dict | None]:
-    """The last record and the outcome a job's log holds."""
-    import cloudpickle
-
+def _events(log: str) -> tuple[dict, tuple[str, str, bytes] | None]:
+    """The last record a job's log holds, and its outcome: (status, "values" or "error",
+    cloudpickle's bytes), or None."""
     record: dict = {}
     outcome = None
     for line in log.splitlines():
         if line.startswith(RECORD_EVENT):
             record = json.loads(line[len(RECORD_EVENT):])
         elif line.startswith(OUTCOME_EVENT):
-            data = base64.b64decode(line[len(OUTCOME_EVENT):])
-            outcome = cloudpickle.loads(data)
-            if "values" in outcome:
-                outcome["raw_values"] = cloudpickle.dumps(outcome["values"])
+            status, kind, data = line[len(OUTCOME_EVENT):].split(" ", 2)
+            outcome = (status, kind, base64.b64decode(data))
     return record, outcome
 
 

@@ -9,7 +9,7 @@ a machine that reaches only the dashboard: every rank's lines (``[rank N] ...``)
 own, and two kinds of event lines that ``cluster.py`` reads back and never shows:
 
     gpufleet-record: {...}       the run's record.json, each time it changes
-    gpufleet-outcome: BASE64     at the end: the values, or the error (cloudpickle)
+    gpufleet-outcome: STATUS values|error BASE64   at the end (cloudpickle)
 
 ``stop_job`` (``Run.cancel()``) sends SIGINT (the job's RAY_JOB_STOP_SIGNAL), which stops
 every rank as Ctrl-C does in a caller; a SIGTERM from elsewhere (the head going down) is a
@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ
-from gpufleet.errors import ConfigError, RunCancelledError
+from gpufleet.errors import GpufleetError, RunCancelledError
 from gpufleet.launchers import place
 from gpufleet.launchers.ray import check_submitter
-from gpufleet.runs import execution
+from gpufleet.runs import execution, records
 from gpufleet.runs.cluster import CALL_FILE, ORIGIN_FILE, OUTCOME_EVENT, RECORD_EVENT, SECRETS_FILE
 from gpufleet.runs.records import Record
 
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         check_submitter(origin["python"], origin["torch"])
         call, secrets = _load(package)
     except BaseException as exc:  # nothing started: the submitter reads why
-        _outcome({"error": exc})
+        _outcome({"error": exc}, str(records.FAILED))
         return 2
     record = Record.create(None, call.name, run_id=origin["run_id"], function=call.function,
                            kind=call.kind, gpus=call.placement.nprocs, device=call.placement.device,
@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
         stop.set()
         mirror.join()
     _print_record(record)
-    _outcome(outcome)
+    _outcome(outcome, str(record.status()))
     return code
 
 
@@ -120,16 +120,18 @@ def _print_record(record: Record, last: bytes | None = None) -> bytes | None:
     return raw
 
 
-def _outcome(outcome: dict) -> None:
+def _outcome(outcome: dict, status: str) -> None:
+    """The last line: ``gpufleet-outcome: STATUS values|error BASE64`` (cloudpickle)."""
     import cloudpickle
 
+    kind, value = next(iter(outcome.items()))
     try:
-        data = cloudpickle.dumps(outcome)
+        data = cloudpickle.dumps(value)
     except Exception as exc:  # values that cannot be pickled: say so rather than lose the run
-        data = cloudpickle.dumps({"error": ConfigError(
-            f"the run ended but its {'values' if 'values' in outcome else 'error'} could not be "
-            f"sent back: {type(exc).__name__}: {exc}")})
-    print(OUTCOME_EVENT + base64.b64encode(data).decode(), flush=True)
+        kind, status = "error", str(records.FAILED)
+        data = cloudpickle.dumps(GpufleetError(
+            f"run ended, but its {kind} could not be sent back: {type(exc).__name__}: {exc}"))
+    print(f"{OUTCOME_EVENT}{status} {kind} {base64.b64encode(data).decode()}", flush=True)
 
 
 _interrupted = False
