@@ -307,3 +307,29 @@ def test_a_submit_from_a_driver_inside_the_cluster_goes_to_ray_jobs(tmp_path, he
     done = run(tmp_path, DRIVER, "node", head, head["gcs"])  # a GCS address: this process is a driver
     assert done.returncode == 0, done.stderr
     assert "ClusterRun ['1', '1']" in done.stdout  # supervised by the job, which the ranks are part of
+
+
+OLDER = """
+import gpufleet
+from gpufleet.launchers import _ray_env
+
+# this submitter stands for a machine with another Python and torch: what it sends says so
+_ray_env.origin = lambda: {"python": "3.9.18", "torch": "1.13.1+cu117"}
+
+@gpufleet.distributed(gpus=2, remote=True, ray_address="ADDRESS")
+def train():
+    return 1
+
+try:
+    train.distributed()
+except gpufleet.ConfigError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_a_head_with_another_python_or_torch_refuses_the_call_before_unpickling_it(tmp_path, head):
+    done = run(tmp_path, OLDER, "laptop", head)
+    assert "refused:" in done.stdout, done.stdout + done.stderr
+    line = done.stdout.split("refused:", 1)[1]
+    assert "(the submitter: 3.9.18)" in line and "(the submitter: 1.13.1+cu117)" in line
+    assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in line
