@@ -333,3 +333,21 @@ def test_a_head_with_another_python_or_torch_refuses_the_call_before_unpickling_
     line = done.stdout.split("refused:", 1)[1]
     assert "(the submitter: 3.9.18)" in line and "(the submitter: 1.13.1+cu117)" in line
     assert f"Python {sys.version_info.major}.{sys.version_info.minor}" in line
+
+
+def test_a_script_and_its_helper_module_outside_the_working_directory_travel(tmp_path, head):
+    code = tmp_path / "laptop" / "code"
+    code.mkdir(parents=True)
+    (code / "helpers.py").write_text("def scale(x):\n    return 10 * x\n")
+    (code / "main.py").write_text(
+        "import torch, helpers\n"
+        "from gpufleet import distributed, runtime\n"
+        f"@distributed(gpus=2, remote=True, ray_address={head['address']!r})\n"
+        "def f():\n"
+        "    return helpers.scale(runtime.get_global_rank() + 1)\n"
+        "print('values', f.distributed())\n"
+    )
+    env = machine(tmp_path, "laptop", head)
+    done = subprocess.run([sys.executable, str(code / "main.py")], cwd=tmp_path / "laptop" / "cwd",
+                          env=env, capture_output=True, text=True, timeout=150)
+    assert "values [10, 20]" in done.stdout, done.stderr

@@ -85,7 +85,8 @@ def local_modules(skip_dir: Path | None) -> list[str]:
     found = set()
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if "." in name or name == "__main__" or not path:
+        # __main__ (and multiprocessing's alias of it) travels by value, with the function
+        if "." in name or name in ("__main__", "__mp_main__") or not path:
             continue
         path = os.path.realpath(path)
         if path.startswith(installed) or "site-packages" in path or "dist-packages" in path:

@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import pickle
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -222,13 +223,29 @@ def job_runtime_env(options: RunOptions, cwd: Path, package: Path) -> tuple[dict
     that make ``stop_job`` a cancel. Environment values (``env=``, ``env_vars``) stay out:
     they travel in the package."""
     runtime_env, notes = _ray_env.build(options.without_secrets(), cwd)
-    runtime_env["py_modules"] = [*runtime_env.get("py_modules", []), str(package)]
+    runtime_env["py_modules"] = [*map(_as_folder(package.parent), runtime_env.get("py_modules", [])),
+                                 str(package)]
     runtime_env["env_vars"] = {
         _environ.RAY_JOB: "1",
         "RAY_JOB_STOP_SIGNAL": "SIGINT",  # Ctrl-C to the supervisor: it stops every rank
         "RAY_JOB_STOP_WAIT_TIME_S": str(JOB_STOP_WAIT_S),  # before Ray's SIGKILL
     }
     return runtime_env, notes
+
+
+def _as_folder(scratch: Path):
+    """Ray Jobs takes folders (and URIs) in py_modules, not a module's single ``.py`` file,
+    which a driver's upload takes: such a module becomes a package of the same name in
+    ``scratch``, which imports the same way."""
+    def folder(module: str) -> str:
+        path = Path(module)
+        if path.suffix != ".py" or not path.is_file():
+            return module
+        package = scratch / path.stem
+        package.mkdir(exist_ok=True)
+        shutil.copyfile(path, package / "__init__.py")
+        return str(package)
+    return folder
 
 
 def place(options: RunOptions) -> ClusterPlacement:
