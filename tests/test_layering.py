@@ -7,8 +7,8 @@
 - The rank's side: ``gpufleet.rank``, ``gpufleet.runtime``, ``gpufleet.data``,
   ``gpufleet.strategies``, ``gpufleet.checkpoint``, and the launcher parts that run in processes
   of their own (``launchers._elastic_agent``, ``_template``, ``_ray_node``).
-- Shared by both: ``errors``, ``options``, ``payload``, ``rundir``, ``timings``, ``tracking`` and
-  the private helpers at the top (``gpufleet._environ``, ...).
+- Shared by both: ``errors``, ``options``, ``payload``, ``rundir``, ``timings``, ``tracking``,
+  ``telemetry`` and the private helpers at the top (``gpufleet._environ``, ...).
 
 The rules:
 
@@ -45,8 +45,8 @@ PROCESS_SIDE_LAUNCHER_PARTS = ("gpufleet.launchers._elastic_agent", "gpufleet.la
 CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.__main__", "gpufleet.runs",
                "gpufleet.watch", "gpufleet.launchers")
 SHARED = ("gpufleet", "gpufleet.errors", "gpufleet.options", "gpufleet.payload", "gpufleet.rundir",
-          "gpufleet.timings", "gpufleet.tracking", "gpufleet._environ", "gpufleet._process",
-          "gpufleet._stacks")
+          "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet._environ",
+          "gpufleet._process", "gpufleet._stacks")
 LAUNCHER_INTERFACE = "gpufleet.launchers.base"
 
 

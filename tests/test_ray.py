@@ -176,6 +176,14 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
     assert "4 ranks on 2 nodes" in captured.err
     progress = json.loads((fn.last_run / "progress.json").read_text())
     assert (progress["step"], progress["metrics"]) == (7, {"sum": 6.0}), "rank 0's progress mirrored"
+    # each node's first rank sampled its host; the lines were mirrored here and logged
+    samples = [json.loads(line) for line in (fn.last_run / "telemetry.jsonl").read_text().splitlines()]
+    assert {s["node"] for s in samples} == {0, 1} and all(s["gpus"] == [] for s in samples)
+    if importlib.util.find_spec("mlflow") is not None:
+        import mlflow
+
+        metrics = mlflow.MlflowClient().get_run(results[0]["MLFLOW_RUN_ID"]).data.metrics
+        assert {f"system/node{n}/cpu_utilization_percent" for n in (0, 1)} <= set(metrics), metrics
 
 
 @pytest.mark.slow

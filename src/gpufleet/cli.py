@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ
+from gpufleet import _environ, telemetry
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
 from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
 from gpufleet.rank.script import run_command, run_module, run_script
-from gpufleet.rundir import runs_root
-from gpufleet.runs import execution, handles, records
+from gpufleet.rundir import RunDir, runs_root
+from gpufleet.runs import cluster, execution, handles, records
 from gpufleet.watch import progress
 
 EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT, EXIT_INTERRUPTED, EXIT_PREEMPTED = 1, 2, 124, 130, 143
@@ -90,11 +90,14 @@ def cmd_run(args) -> int:
     options = RunOptions.create(
         gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_retries=args.max_retries,
         timeout=args.timeout, name=args.name, env=_env_pairs(args.env), runs_dir=args.runs_dir,
-        detach=args.detach,
+        detach=args.detach, **({"ray_address": args.ray_address} if args.ray_address else {}),
     )
     call = execution.Call.prepare(fn, fn_args, {}, options, name, what, kind=kind)
     if args.detach:
         return _started(handles.submit(call, argv=argv), args.json)
+    address = cluster.jobs_address(call, submitting=False)
+    if address is not None:  # supervised on the cluster, as a Ray job; followed from here
+        return _follow_to_end(cluster.submit(call, address, argv=argv), cancel_on_interrupt=True)
     record = call.record(argv=argv, detached=False)
     record.supervised_here()
     return _foreground(call, record)
@@ -109,6 +112,8 @@ def cmd_submit(args) -> int:
     if work.parameters_file is not None:
         env[_environ.PARAMETERS] = str(work.parameters_file)
     with _naming(work.path):
+        if args.ray_address:
+            work.options["ray_address"] = args.ray_address
         options = RunOptions.create(**work.options, env={k: str(v) for k, v in env.items()},
                                     runs_dir=args.runs_dir, detach=True)
     entries: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
@@ -131,7 +136,7 @@ def cmd_submit(args) -> int:
 
 
 def cmd_runs(args) -> int:
-    found = handles.runs(args.runs_dir)[: args.limit]
+    found = handles.runs(args.runs_dir, args.ray_address)[: args.limit]
     rows = [row for r in found if (row := _row(r)) is not None]
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -164,7 +169,7 @@ def _row(run: handles.Run) -> dict | None:
 
 
 def cmd_logs(args) -> int:
-    run = handles.attach(args.run, args.runs_dir)
+    run = handles.attach(args.run, args.runs_dir, args.ray_address)
     if args.follow:
         run.logs(args.rank, follow=True)  # Ctrl-C: 130, and the run goes on
         return 0
@@ -173,10 +178,14 @@ def cmd_logs(args) -> int:
 
 
 def cmd_status(args) -> int:
-    run = handles.attach(args.run, args.runs_dir)
+    run = handles.attach(args.run, args.runs_dir, args.ray_address)
     summary = _summary(run)
+    sampled = _last_samples(run.path, summary)
+    gpu_use = telemetry.describe_gpus(sampled)  # "" on CPU
     if args.json:
-        print(json.dumps(summary, indent=1))
+        gpus = [{"node": node, "host": s.get("host"), "time": s.get("time"), **gpu}
+                for node, s in sorted(sampled.items()) for gpu in s.get("gpus") or ()]
+        print(json.dumps({**summary, **({"gpu_telemetry": gpus} if gpus else {})}, indent=1))
         return 0
     for key in ("id", "name", "status", "kind", "gpus", "devices", "device", "created", "started",
                 "ended", "duration", "attempts", "error", "mlflow_run_id", "path"):
@@ -186,14 +195,23 @@ def cmd_status(args) -> int:
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "-"
         print(f"{key + ':':<13} {value if value not in (None, '') else '-'}")
+        if key == "gpus" and gpu_use:  # the run's GPUs as its nodes last sampled them
+            age = time.time() - max(s.get("time", 0) for s in sampled.values())
+            print(f"{'gpu use:':<13} {gpu_use} (sampled {progress.clock(age)} ago)")
     if summary.get("timings"):
         print("timings of the last attempt:")
         print("\n".join(f"  {label}: {seconds:.3f} s" for label, seconds in summary["timings"]["phases"].items()))
     return 0
 
 
+def _last_samples(folder: Path, summary: dict) -> dict[int, dict]:
+    """Each node's last telemetry sample in the run's last attempt (``telemetry.py``)."""
+    attempts = summary.get("attempts") or []
+    return telemetry.latest_in(RunDir(folder / attempts[-1]).telemetry) if attempts else {}
+
+
 def cmd_cancel(args) -> int:
-    run = handles.attach(args.run, args.runs_dir)
+    run = handles.attach(args.run, args.runs_dir, args.ray_address)
     before = run.status()
     try:
         status = run.cancel()
@@ -283,8 +301,15 @@ def _started(run: handles.Run, as_json: bool) -> int:
     return 0
 
 
-def _follow_to_end(run: handles.Run) -> int:
-    run.logs(follow=True)
+def _follow_to_end(run: handles.Run, cancel_on_interrupt: bool = False) -> int:
+    try:
+        run.logs(follow=True)
+    except KeyboardInterrupt:
+        if not cancel_on_interrupt:
+            raise
+        print(f"gpufleet: cancelling run {run.id}", file=sys.stderr, flush=True)
+        run.cancel()
+        return EXIT_INTERRUPTED
     status = run.wait()
     if status != records.SUCCEEDED:
         try:
@@ -352,6 +377,10 @@ def _parser() -> argparse.ArgumentParser:
     runs_dir_help = "the runs folder (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)"
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--runs-dir", type=Path, metavar="DIR", help=runs_dir_help)
+    on_cluster = argparse.ArgumentParser(add_help=False, parents=[common])
+    on_cluster.add_argument("--ray-address", metavar="ADDRESS",
+                         help="the Ray cluster (default: RAY_ADDRESS); its Jobs address, "
+                         "http://HEAD:8265, reaches runs supervised there from any machine")
     parser = argparse.ArgumentParser(
         prog="gpufleet",
         description="Run scripts and workload files on this machine's GPUs (or a Ray cluster); "
@@ -362,8 +391,8 @@ def _parser() -> argparse.ArgumentParser:
     # before the command too; its own dest, as a subcommand's default would overwrite it
     parser.add_argument("--runs-dir", type=Path, dest="global_runs_dir", metavar="DIR", help=runs_dir_help)
     sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    _run_command(sub, common)
-    _other_commands(sub, common)
+    _run_command(sub, on_cluster)
+    _other_commands(sub, common, on_cluster)
     return parser
 
 
@@ -374,7 +403,7 @@ def _run_command(sub: Any, common: argparse.ArgumentParser) -> None:
                          "live [rank N] logs, precise errors and a run record.")
     run.add_argument("--gpus", type=int, help="processes, one per GPU (default: every GPU; 2 CPU processes without one)")
     run.add_argument("--gpu-type", help="check the GPU model first, e.g. H100")
-    run.add_argument("--remote", action="store_true", help="run on the Ray cluster (RAY_ADDRESS)")
+    run.add_argument("--remote", action="store_true", help="run on the Ray cluster (--ray-address, RAY_ADDRESS)")
     run.add_argument("--max-retries", type=int, default=0, help="start a failed run again up to K times")
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for the whole run (default 3 h)")
     run.add_argument("--name", help="the run's name (default: the script's)")
@@ -393,15 +422,15 @@ def _run_command(sub: Any, common: argparse.ArgumentParser) -> None:
     run.set_defaults(command=cmd_run, writes=True, starts=True)
 
 
-def _other_commands(sub: Any, common: argparse.ArgumentParser) -> None:
-    submit = sub.add_parser("submit", parents=[common], help="start a workload file in the background",
+def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argparse.ArgumentParser) -> None:
+    submit = sub.add_parser("submit", parents=[on_cluster], help="start a workload file in the background",
                             description="Start the run a workload file (YAML or JSON) describes; print its id.")
     submit.add_argument("workload", help="the workload file")
     submit.add_argument("--follow", action="store_true", help="stream its logs and exit with its status")
     submit.add_argument("--json", action="store_true", help="print the run as JSON")
     submit.set_defaults(command=cmd_submit, writes=True, starts=True)
 
-    listing = sub.add_parser("runs", parents=[common], help="list runs, newest first")
+    listing = sub.add_parser("runs", parents=[on_cluster], help="list runs, newest first")
     listing.add_argument("--json", action="store_true", help="print the records as JSON")
     listing.add_argument("--limit", type=int, default=50, help="how many runs (default 50)")
     listing.set_defaults(command=cmd_runs)
@@ -419,7 +448,7 @@ def _other_commands(sub: Any, common: argparse.ArgumentParser) -> None:
 
     for name, fn, what in (("logs", cmd_logs, "print a run's logs"), ("status", cmd_status, "show a run's record"),
                            ("cancel", cmd_cancel, "stop a run (every rank)")):
-        one = sub.add_parser(name, parents=[common], help=what, description=what[0].upper() + what[1:] + ".")
+        one = sub.add_parser(name, parents=[on_cluster], help=what, description=what[0].upper() + what[1:] + ".")
         one.add_argument("run", help="run id, or a unique start or 6-digit end of it")
         one.set_defaults(command=fn, finds_run=True, writes=name == "cancel")
         if name == "logs":

@@ -125,6 +125,12 @@ class RunDir:
         return self.path / "progress.json"
 
     @property
+    def telemetry(self) -> Path:
+        """The node's samples of its host and of the run's GPUs, one JSON line each
+        (``telemetry.py``); a Ray node's lines are mirrored into the caller's copy."""
+        return self.path / "telemetry.jsonl"
+
+    @property
     def pool_owner(self) -> Path:
         """A warm pool's folder: the process that owns the pool (pid, start time, host), so
         that ``gpufleet prune`` can tell a pool still starting or serving from one that is gone."""

@@ -1,5 +1,6 @@
 """MLflow tracking: one MLflow run per ``.distributed()`` call, created by the caller and shared
-with every rank; system metrics of the machine sampled into it; ``log_metrics`` for ranks.
+with every rank; the nodes' system metrics (``telemetry.py``) logged into it; ``log_metrics``
+for ranks.
 
 MLflow is optional (``pip install gpufleet[mlflow]``) and imported only when tracking is on:
 ``tracking=None`` (the default) tracks when MLflow is installed, ``True`` requires it,
@@ -15,28 +16,24 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import json
-import logging
 import os
 import sys
 import threading
 import time
 import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpufleet import _environ, runtime
+from gpufleet import _environ, runtime, telemetry
 from gpufleet.errors import ConfigError
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
-
-if TYPE_CHECKING:
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
 DEFAULT_EXPERIMENT = "gpufleet"
 CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
 RANK_WAIT_S = 2 * CALLER_WAIT_S
 FINISH_WAIT_S = 10.0  # how long ending the run may hold up the call's return
-SYSTEM_METRICS_EVERY_S = 10
+SYSTEM_METRICS_EVERY_S = 10.0  # how often the nodes' samples are logged into the run
 PROGRESS_EVERY_S = 0.5  # how often rank 0 may replace progress.json (log_metrics)
 _REDUCTIONS = (None, "mean", "max")
 
@@ -50,12 +47,12 @@ class Tracking:
         self.experiment_id = experiment_id
         self.uri = uri
         self.owned = owned  # created by gpufleet (so gpufleet sets its final status)
-        self.monitor: SystemMetricsMonitor | None = None
+        self.system = SystemMetrics(client, run_id)
 
     @classmethod
     def start(cls, name: str, params: dict[str, Any], joined: str | None) -> "Tracking":
-        """Create the call's run (or join ``joined``, the caller's own run) and start sampling
-        the machine's metrics into it."""
+        """Create the call's run (or join ``joined``, the caller's own run) and start logging
+        the nodes' system metrics into it."""
         import mlflow
         from mlflow import MlflowClient
 
@@ -71,7 +68,7 @@ class Tracking:
             tracking = cls(client, run.info.run_id, experiment_id, uri, owned=True)
             for key, value in params.items():
                 client.log_param(tracking.run_id, key, value)
-        tracking._start_system_metrics()
+        tracking.system.start()
         print(f"gpufleet: MLflow run {tracking.run_id}{tracking.where()}", file=sys.stderr, flush=True)
         return tracking
 
@@ -87,12 +84,11 @@ class Tracking:
         _quietly(self.client.set_tag, self.run_id, "gpufleet.attempts", str(number + 1))
 
     def finish(self, status: str) -> None:
-        """FINISHED, FAILED or KILLED, the machine's sampling stopped first; bounded in time
+        """FINISHED, FAILED or KILLED, the system metrics not logged yet first; bounded in time
         and never raising: the call's outcome must not depend on its tracking."""
 
         def end() -> None:
-            if self.monitor is not None:
-                _quietly(self.monitor.finish)
+            self.system.finish()
             if self.owned:
                 _quietly(self.client.set_terminated, self.run_id, status)
 
@@ -112,23 +108,70 @@ class Tracking:
             return f" (see it: mlflow ui --backend-store-uri {self.uri}, then {path})"
         return f" in experiment {self.experiment_id}"
 
-    def _start_system_metrics(self) -> None:
-        """CPU, memory, disk, network and (with nvidia-ml-py) every GPU's utilisation, memory,
-        power and temperature, sampled by MLflow's own monitor in this process."""
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            # its start/stop notices would print on every call; gpufleet prints the run once
-            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+class SystemMetrics:
+    """The nodes' samples (each attempt's ``telemetry.jsonl``, ``telemetry.py``) logged into
+    the call's run by a thread of the caller: every SYSTEM_METRICS_EVERY_S, each node's mean
+    over the samples since the last round, at the time of its last one, with the round as the
+    step; what is left when the run ends (``finish``). The ranks never wait for MLflow."""
 
-            self.monitor = SystemMetricsMonitor(
-                self.run_id, sampling_interval=SYSTEM_METRICS_EVERY_S, tracking_uri=self.uri,
-                resume_logging=not self.owned,
-            )
-            self.monitor.start()
-        except Exception as exc:  # e.g. psutil missing: say so once, track the rest
-            self.monitor = None
-            print(f"gpufleet: no system metrics for this run: {exc}", file=sys.stderr, flush=True)
+    def __init__(self, client: Any, run_id: str):
+        self.client = client
+        self.run_id = run_id
+        self._files: list[telemetry.Follower] = []
+        self._files_lock = threading.Lock()  # never held while MLflow is called
+        self._round = threading.Lock()  # one round at a time
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tagged: dict[str, str] = {}
+        self._step = 0
+        self._failed = False
+
+    def follow(self, path: Path) -> None:
+        """Log the samples of ``path`` too (an attempt's file, from its start)."""
+        with self._files_lock:
+            self._files.append(telemetry.Follower(path))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="gpufleet-system-metrics", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Stop the thread and log what is left."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(FINISH_WAIT_S / 2)
+        self.log()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SYSTEM_METRICS_EVERY_S):
+            self.log()
+
+    def log(self) -> None:
+        """One round: the samples that came since the last one, in one batch."""
+        from mlflow.entities import Metric, RunTag
+
+        with self._round:
+            with self._files_lock:
+                files = list(self._files)
+            samples = [sample for follower in files for sample in follower.read()]
+            metrics, tags = telemetry.mlflow_metrics(samples)
+            tags = {k: v for k, v in tags.items() if self._tagged.get(k) != v}
+            if not metrics and not tags:
+                return
+            try:
+                self.client.log_batch(
+                    self.run_id, metrics=[Metric(k, v, t, self._step) for k, v, t in metrics],
+                    tags=[RunTag(k, v) for k, v in tags.items()],
+                )
+            except Exception as exc:  # a store that fails must not fail the run: said once
+                if not self._failed:
+                    self._failed = True
+                    print(f"gpufleet: MLflow: system metrics not logged: {type(exc).__name__}: {exc}",
+                          file=sys.stderr, flush=True)
+                return
+            self._tagged.update(tags)
+            self._step += 1
 
 
 def _private_store(uri: str) -> None:
@@ -166,6 +209,7 @@ class PendingTracking:
         self._closed: str | None = None  # the final status, once the call ended
         self._lock = threading.Lock()
         self._warned = False
+        self._telemetry: list[Path] = []  # each attempt's samples, for the run's system metrics
 
     def begin(self) -> None:
         """Start creating the run (once per call), right after the first agent started."""
@@ -182,6 +226,8 @@ class PendingTracking:
         with self._lock:
             self._found = found
             closed = self._closed
+            for path in self._telemetry:
+                found.system.follow(path)
         if closed is not None:  # the call ended first
             found.finish(closed)
 
@@ -204,6 +250,14 @@ class PendingTracking:
     def attempt(self, number: int) -> None:
         if self._found is not None:
             self._found.attempt(number)
+
+    def follow_telemetry(self, path: Path) -> None:
+        """An attempt's nodes sample into ``path``: log its samples into the run, now or as
+        soon as the run exists."""
+        with self._lock:
+            self._telemetry.append(path)
+            if self._found is not None:
+                self._found.system.follow(path)
 
     def close(self, status: str) -> None:
         """The call ended with ``status``: end the run now, or as soon as it exists, waiting

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,10 +214,12 @@ class RayJob(Job):
 
     def _mirror(self, r: RankActor, answer: dict) -> None:
         """Into the caller's run folder, in the order the rank wrote: output, stacks,
-        heartbeat, progress, timings, result; the exit status last, once the rest is here."""
+        heartbeat, telemetry, progress, timings, result; the exit status last, once the rest
+        is here. Every node's telemetry lines go into the one file, each line tagged by node."""
         run, rank = self.run, r.rank
         _append(run.log(rank), answer.get("log"))
         _append(run.stacks(rank), answer.get("stacks"))
+        _append(run.telemetry, answer.get("telemetry"))
         if answer.get("beat"):  # the caller's own clock: the nodes' may differ
             _touch(run.heartbeat(rank))
         if answer.get("started"):
@@ -422,7 +425,13 @@ def _ray_reason(exc: BaseException, limit: int = 400) -> str:
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     cause = next((line for line in lines[1:] if "error_message" in line or "reason" in line.lower()), "")
     text = " ".join(part for part in (lines[0] if lines else "", cause) if part)
+    # what differs from one actor to the next (its id, its worker's ip:port) would keep the
+    # lost ranks of one node apart in the error: the node names them ("ranks 2, 3: lost ...")
+    text = _PER_ACTOR.sub("…", text)
     return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+_PER_ACTOR = re.compile(r"\b[0-9a-f]{32,}\b|(?:ipv4:)?\d{1,3}(?:\.\d{1,3}){3}:\d+")
 
 
 def _quietly(fn, *args, **kwargs) -> None:

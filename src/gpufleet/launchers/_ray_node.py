@@ -131,6 +131,13 @@ class RankNode:
         noted = _mtime(run.progress)
         if noted > self._progress:  # rank 0's last log_metrics, for the caller's status line
             self._progress, answer["progress"] = noted, _read(run.progress)
+        # the node's telemetry (its first rank samples), in whole lines: the caller's copy
+        # gathers every node's; a line still being written comes with the next poll
+        self._sent.setdefault("telemetry", 0)
+        samples, _ = self._read_new("telemetry", run.telemetry)
+        whole = samples.rfind(b"\n") + 1
+        self._sent["telemetry"] -= len(samples) - whole
+        answer["telemetry"] = samples[:whole]
         if drained and result is not None:
             answer["timings"] = _read(run.timings(rank))
             answer["result"], self._result_sent = result, True

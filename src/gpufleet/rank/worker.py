@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, _process, _stacks, payload, runtime, timings, tracking
+from gpufleet import _environ, _process, _stacks, payload, runtime, telemetry, timings, tracking
 from gpufleet.errors import RankFailure
 from gpufleet.rank import warm
 from gpufleet.rundir import RunDir, check_private_dir
@@ -89,7 +89,12 @@ def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
     payload.write_private(run.pid_file(rank), str(os.getpid()).encode())
     _answer_stack_requests(run.stacks(rank))
     runtime.heartbeat()
+    # the node's first rank samples the host and the run's GPUs while the call runs (not
+    # while a warm pool's ranks warm up: that is no call of anyone's)
+    sampler = telemetry.Sampler.start(run) if body is None else None
     outcome = _run(run, rank, body or _payload_call)
+    if sampler is not None:
+        sampler.stop()  # its last sample lands before the result: the caller may end with it
     try:
         data = payload.dump_result(outcome)
     except Exception as exc:  # the return value does not pickle: report that instead
@@ -165,6 +170,8 @@ def _serve(pool: RunDir, rank: int) -> bool:
 
 def _warm_up(run: RunDir) -> None:
     runtime.setup()
+    if _environ.local_rank() == 0:
+        telemetry.prepare()  # the node's sampler runs here, one call after the other
 
 
 def _send_output_to(log: Path) -> None:

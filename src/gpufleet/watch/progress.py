@@ -4,7 +4,8 @@ Where the caller's output goes decides the display (``open_display``):
 
 - a terminal (stdout is a TTY): a live area at the bottom, drawn with rich: each rank's
   unfinished line (a tqdm bar) above one status line, ``train-…-3fa2c1 · 2/2 ranks alive ·
-  0:01:23 · step 120 · loss 0.113``; the ranks' lines are printed above it. It stays as a
+  0:01:23 · step 120 · loss 0.113 · GPU 0: 87% 61.2/80 GiB`` (the GPUs from the nodes'
+  telemetry, none on CPU); the ranks' lines are printed above it. It stays as a
   final line (``finished``, ``failed``, ...) when the call ends.
 - a notebook (an IPython kernel): the same text in one output, updated in place
   (``display(..., display_id=True)``; no ipywidgets); the lines go to stdout as prints.
@@ -51,10 +52,12 @@ class Status:
     metrics: dict = field(default_factory=dict)  # and its values
     attempt: int = 0  # 0: the first run of the call
     outcome: str | None = None  # once the call ended: "finished", "failed", ...
+    gpus: str = ""  # the run's GPUs as last sampled (telemetry.describe_gpus); "" without any
 
 
 def status_line(status: Status) -> str:
-    """``train-…-3fa2c1 · 2/2 ranks alive · 0:01:23 · step 120 · loss 0.113 lr 0.0003``."""
+    """``train-…-3fa2c1 · 2/2 ranks alive · 0:01:23 · step 120 · loss 0.113 lr 0.0003 ·
+    GPU 0: 87% 61.2/80 GiB`` (the GPUs last: a long list is what the terminal may cut)."""
     found = _RUN_NAME.match(status.name)
     parts = [f"{found['name']}-…-{found['token']}" if found else status.name]
     if status.attempt:
@@ -68,6 +71,8 @@ def status_line(status: Status) -> str:
         parts.append(f"step {status.step}")
     if status.metrics:
         parts.append(" ".join(f"{k} {_number(v)}" for k, v in status.metrics.items()))
+    if status.gpus:
+        parts.append(status.gpus)
     return " · ".join(parts)
 
 

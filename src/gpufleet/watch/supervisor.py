@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from gpufleet import timings
+from gpufleet import telemetry, timings
 from gpufleet.errors import RunCancelledError, RunFailedError
 from gpufleet.launchers.base import Job
 from gpufleet.options import RunOptions
@@ -89,6 +89,8 @@ class Supervisor:
         self.stamps = {**stamps, **job.stamps}
         self.began = self.stamps.get("call", time.time())  # for the status line's clock
         self.tracking = tracking  # handed to the ranks once ready (tracking.json)
+        if tracking is not None:  # the nodes' samples of this attempt go into the MLflow run
+            tracking.follow_telemetry(self.folder.telemetry)
         self.tracking_due = time.monotonic() + CALLER_WAIT_S
         self.number = attempt  # 0: the first attempt
         self.preemption = preemption
@@ -96,6 +98,7 @@ class Supervisor:
         self.display = progress.open_display()  # draws nothing until the call has run a while
         self.follower = LogFollower(self.folder.log, self.world_size, options.shows_rank, display=self.display)
         self.progress = progress.ProgressFile(self.folder.progress)
+        self.telemetry = telemetry.Latest(self.folder.telemetry)  # for the status line's GPUs
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
 
     def wait(self, deadline: float | None = None) -> list:
@@ -132,6 +135,7 @@ class Supervisor:
             elapsed=time.time() - self.began,
             alive=None if outcome else self.monitor.alive(), step=step, metrics=metrics,
             attempt=self.number, outcome=outcome,
+            gpus="" if outcome else telemetry.describe_gpus(self.telemetry.read()),
         )
 
     def _save_timings(self) -> None:
