@@ -30,6 +30,7 @@ from typing import TextIO
 
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.payload import load_private, write_private
+from gpufleet.rundir import RunDir
 from gpufleet.runs import records
 from gpufleet.runs.handles import Run
 from gpufleet.runs.records import Record
@@ -325,6 +326,11 @@ class ClusterRun(Run):
         status = str(jobs.get_job_status(self.job))
         mirrored, outcome = _events(self._log())
         fields = {k: mirrored[k] for k in _MIRRORED if k in mirrored}
+        if mirrored.get("telemetry") and mirrored.get("attempts"):  # the nodes' last samples
+            attempt = RunDir(self.path / mirrored["attempts"][-1])
+            attempt.path.mkdir(mode=0o700, exist_ok=True)
+            write_private(attempt.telemetry, b"".join(
+                json.dumps(sample).encode() + b"\n" for sample in mirrored["telemetry"]))
         if status not in _JOB_ENDED:
             if status == "PENDING":
                 fields["status"] = records.QUEUED

@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ
+from gpufleet import _environ, telemetry
 from gpufleet.errors import GpufleetError, RunCancelledError
 from gpufleet.launchers import place
 from gpufleet.launchers.ray import check_submitter
@@ -109,15 +109,21 @@ def _mirror_record(record: Record, stop: threading.Event) -> None:
 
 
 def _print_record(record: Record, last: bytes | None = None) -> bytes | None:
+    """The record, with each node's last telemetry sample (for ``gpufleet status`` where the
+    run was submitted), each time either changes."""
     try:
         raw = record.file.read_bytes()
         data = json.loads(raw)
     except (OSError, ValueError):  # being replaced this instant: the next poll reads it
         return last
-    if raw != last:
+    attempt = record.last_attempt()
+    samples = telemetry.latest_in(attempt.telemetry) if attempt is not None else {}
+    state = raw + json.dumps(samples, sort_keys=True).encode()
+    if state != last:
         data.pop("supervisor", None)
+        data["telemetry"] = list(samples.values())
         print(RECORD_EVENT + json.dumps(data, separators=(",", ":")), flush=True)
-    return raw
+    return state
 
 
 def _outcome(outcome: dict, status: str) -> None:
