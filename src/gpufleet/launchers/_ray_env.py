@@ -82,7 +82,7 @@ def local_modules(skip_dir: Path | None) -> list[str]:
     ``skip_dir`` (the working directory, shipped whole) are left out."""
     installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__),
                        _GPUFLEET_DIR})
-    found = set()
+    found: dict[str, str] = {}  # name: what to ship
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         # __main__ (and multiprocessing's alias of it) travels by value, with the function
@@ -101,8 +101,30 @@ def local_modules(skip_dir: Path | None) -> list[str]:
         else:  # a compiled extension beside the script: no source to ship
             continue
         if skip_dir is None or target.parent != skip_dir:
-            found.add(str(target))
-    return sorted(found)
+            found[name] = str(target)
+    if found:  # asked only then: reading every distribution's metadata takes a while
+        packaged = _installed_names()
+        found = {name: target for name, target in found.items() if name not in packaged}
+    return sorted(found.values())
+
+
+def _installed_names() -> set[str]:
+    """Top-level modules that an installed distribution provides, wherever it was installed
+    (``pip install --target DIR`` on PYTHONPATH too, which no site-packages path reveals),
+    except editable installs: those are the caller's own project, and travel."""
+    names = set()
+    for name, dists in importlib.metadata.packages_distributions().items():
+        if not all(_editable(dist) for dist in dists):
+            names.add(name)
+    return names
+
+
+def _editable(dist_name: str) -> bool:
+    try:
+        origin = importlib.metadata.distribution(dist_name).read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return origin is not None and bool(json.loads(origin).get("dir_info", {}).get("editable", False))
 
 
 def pip_snapshot() -> list[str]:
