@@ -250,10 +250,10 @@ class ClusterRun(Run):
         return self._record.read()["cluster"]["job"]
 
     def record(self) -> dict:
-        return self._refresh()
+        return self._refreshed()
 
     def status(self) -> str:
-        data = self._refresh()
+        data = self._refreshed()
         return str(records.LOST) if data.get("lost") else data["status"]
 
     def wait(self, timeout: float | None = None) -> str:
@@ -312,10 +312,23 @@ class ClusterRun(Run):
         data = self._record.read()
         if data["status"] in records.FINAL:
             return True
-        return str(self._jobs().get_job_status(self.job)) in _JOB_ENDED
+        try:
+            return str(self._jobs().get_job_status(self.job)) in _JOB_ENDED
+        except RuntimeError as exc:  # the job is gone (a restarted cluster): the run is over
+            if "does not exist" not in str(exc):
+                raise
+            return True
 
     def _log(self) -> str:
         return self._jobs().get_job_logs(self.job)
+
+    def _refreshed(self) -> dict:
+        """The mirror brought up to date; as last seen when the cluster cannot be reached
+        (a listing goes on; ``wait`` and ``result`` say why they cannot)."""
+        try:
+            return self._refresh()
+        except (ConfigError, OSError, RuntimeError):  # Ray's client raises these two for HTTP
+            return self._record.read()
 
     def _refresh(self) -> dict:
         """The mirror, brought up to date from the cluster unless the run had ended."""
@@ -323,7 +336,12 @@ class ClusterRun(Run):
         if data["status"] in records.FINAL or not data["cluster"]["job"]:
             return data
         jobs = self._jobs()
-        status = str(jobs.get_job_status(self.job))
+        try:
+            status = str(jobs.get_job_status(self.job))
+        except RuntimeError as exc:  # a cluster started again since: its jobs are forgotten
+            if "does not exist" not in str(exc):
+                raise
+            return self._end_lost(f"the Ray cluster at {self.address} no longer knows its job {self.job}")
         mirrored, outcome = _events(self._log())
         fields = {k: mirrored[k] for k in _MIRRORED if k in mirrored}
         if mirrored.get("telemetry") and mirrored.get("attempts"):  # the nodes' last samples
@@ -337,21 +355,23 @@ class ClusterRun(Run):
             return self._record.update(**fields)
         if outcome is None:  # stopped before it began, or its supervisor died (the head, a kill)
             info = jobs.get_job_info(self.job)
-            error = GpufleetError(
-                f"run {self.id}'s Ray job {self.job} ended ({status}: {info.message or 'no message'}) "
-                f"without its outcome; its log: `ray job logs {self.job}` at {self.address}"
-            )
-            self._record.keep(error)
-            # a record says how a run ended, never "lost": the mirror says so beside it
-            stopped = status == "STOPPED"
-            fields.update(status=records.CANCELLED if stopped else records.FAILED, lost=not stopped,
-                          ended=time.time(), error=str(error))
-        else:  # kept as the cluster pickled them: unpickled by result() alone
-            ended, kind, pickled = outcome
-            write_private(self.path / (VALUES_FILE if kind == "values" else self._record.outcome.name), pickled)
-            fields.update(status=ended, ended=fields.get("ended") or time.time())
+            why = (f"its Ray job {self.job} ended ({status}: {info.message or 'no message'}) without "
+                   f"its outcome; its log: `ray job logs {self.job}` at {self.address}")
+            self._record.update(**fields)
+            return self._end_lost(why, cancelled=status == "STOPPED")
+        ended, kind, pickled = outcome  # kept as the cluster pickled them: unpickled by result() alone
+        write_private(self.path / (VALUES_FILE if kind == "values" else self._record.outcome.name), pickled)
+        fields.update(status=ended, ended=fields.get("ended") or time.time())
         self._record.spare.unlink(missing_ok=True)
         return self._record.update(**fields)
+
+    def _end_lost(self, why: str, cancelled: bool = False) -> dict:
+        """The run ended with no outcome: cancelled when its job was stopped, else lost (a
+        record says how a run ended, never "lost": the mirror says so beside it)."""
+        error = GpufleetError(f"run {self.id}: {why}")
+        self._record.keep(error)
+        return self._record.update(status=records.CANCELLED if cancelled else records.FAILED,
+                                   lost=not cancelled, ended=time.time(), error=str(error))
 
     def _tail(self, rank: int | None, out: TextIO) -> None:
         async def tail() -> None:

@@ -262,7 +262,10 @@ def runs(runs_dir: str | os.PathLike | None = None, ray_address: str | None = No
 
     address = dashboard_address(ray_address)
     if address is not None:
-        cluster.sync(address, _root(runs_dir))
+        try:
+            cluster.sync(address, _root(runs_dir))
+        except ConfigError as exc:  # this machine's runs are worth listing all the same
+            print(f"gpufleet: {exc}; listing this machine's runs only", file=sys.stderr, flush=True)
     return [cluster.attached(r) for r in records.all_records(_root(runs_dir))]
 
 
