@@ -199,6 +199,11 @@ def test_a_detached_run_goes_on_after_its_submitter_and_is_read_from_another_mac
     status = subprocess.run([sys.executable, "-m", "gpufleet", "status", run_id[-6:]],
                             env=env, capture_output=True, text=True, timeout=60)
     assert "attempt-0, attempt-1" in status.stdout and "succeeded" in status.stdout
+    followed = subprocess.run([sys.executable, "-m", "gpufleet", "logs", "--follow", "--rank", "0",
+                               "--ray-address", head["address"], run_id],
+                              env=machine(tmp_path, "phone", head), capture_output=True, text=True, timeout=60)
+    assert followed.returncode == 0, followed.stderr
+    assert followed.stdout.count("step 3") == 1  # the ended run's last attempt, rank 0 alone
 
 
 CANCEL = """
