@@ -417,6 +417,8 @@ def test_a_laptop_outside_the_cluster_submits_through_ray_jobs_and_leaves(cluste
     """The root namespace stands for a laptop: it reaches the head's dashboard over the bridge,
     and no Ray port of any node. The submitting process exits at once; another process (with a
     runs folder of its own: another machine) attaches later and gets every rank's value."""
+    if cluster.worker_down():  # a test before this one killed host 2
+        cluster.restart_worker()
     jobs = f"http://{cluster.head.ip}:8265"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     (tmp_path / "cwd").mkdir()
