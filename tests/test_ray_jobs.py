@@ -143,6 +143,12 @@ def test_a_call_given_a_jobs_address_is_supervised_on_the_cluster(tmp_path, head
     record = json.loads((mirrors[0] / "record.json").read_text())
     assert record["status"] == "succeeded" and record["cluster"]["address"] == head["address"]
     assert json.loads((on_head(head, mirrors[0].name) / "record.json").read_text())["status"] == "succeeded"
+    # the head tracked it in the submitter's MLflow store (its MLFLOW_TRACKING_URI travelled)
+    import mlflow
+
+    tracked = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(record["mlflow_run_id"])
+    assert tracked.info.status == "FINISHED"
+    assert any(key.startswith("system/node0/cpu") for key in tracked.data.metrics), tracked.data.metrics
     # env= values are not in the job's metadata, entrypoint or runtime_env, nor on either disk
     from ray.job_submission import JobSubmissionClient
 
