@@ -97,7 +97,10 @@ def submit(call, address: str, argv: list[str] | None = None) -> ClusterRun:
     except BaseException as exc:  # never submitted: its mirror says why
         record.end(exc)
         if isinstance(exc, (RuntimeError, ValueError, OSError)):  # Ray's SDK errors
-            raise ConfigError(f"the Ray cluster at {address} refused the run: {exc}") from exc
+            hint = ("; what ships is too large: leave folders out with runtime_env={'excludes': "
+                    "[...]} or .gitignore, or ship no working directory (runtime_env="
+                    "{'working_dir': None})") if "413" in str(exc) else ""
+            raise ConfigError(f"the Ray cluster at {address} refused the run: {exc}{hint}") from exc
         raise
     record.update(cluster={"address": address, "job": job})
     run = ClusterRun(record, client)
