@@ -239,6 +239,8 @@ class ClusterRun(Run):
     """A run supervised on a Ray cluster: the handle of ``Run``, answered by the cluster's
     dashboard and kept in the run's mirror here."""
 
+    poll_seconds = POLL_SECONDS  # each poll is an HTTP request to the dashboard
+
     def __init__(self, record: Record, client=None):
         super().__init__(record)
         self._client = client
@@ -259,13 +261,8 @@ class ClusterRun(Run):
         data = self._refreshed()
         return str(records.LOST) if data.get("lost") else data["status"]
 
-    def wait(self, timeout: float | None = None) -> str:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._ended():
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"run {self.id} is still {self.status()} after {timeout:g} s")
-            time.sleep(POLL_SECONDS)
-        return self.status()
+    def done(self) -> bool:
+        return self._ended()  # the job's status alone: its log is read once it ended
 
     def result(self, timeout: float | None = None) -> list:
         status = self.wait(timeout)
