@@ -239,7 +239,7 @@ class ClusterRun(Run):
     """A run supervised on a Ray cluster: the handle of ``Run``, answered by the cluster's
     dashboard and kept in the run's mirror here."""
 
-    poll_seconds = POLL_SECONDS  # each poll is an HTTP request to the dashboard
+    _poll_seconds = POLL_SECONDS  # each poll is an HTTP request to the dashboard
 
     def __init__(self, record: Record, client=None):
         super().__init__(record)

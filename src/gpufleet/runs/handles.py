@@ -37,7 +37,7 @@ CANCEL_WAIT_SECONDS = 60.0  # then, after an interrupt, for it to end
 class Run:
     """A run of this machine's runs folder: started here by ``.submit()``, or found by id."""
 
-    poll_seconds = POLL_SECONDS  # how often ``wait`` asks whether the run ended
+    _poll_seconds = POLL_SECONDS  # how often ``wait`` asks whether the run ended
 
     def __init__(self, record: Record, process: subprocess.Popen | None = None):
         self._record = record
@@ -78,7 +78,7 @@ class Run:
         while not self.done():
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.id} is still {self.status()} after {timeout:g} s")
-            time.sleep(self.poll_seconds)
+            time.sleep(self._poll_seconds)
         return self.status()
 
     def result(self, timeout: float | None = None) -> list:
