@@ -13,6 +13,7 @@ rank's result or a precise error.
 """
 
 from gpufleet import runtime
+from gpufleet._version import __version__
 from gpufleet.api import DistributedFunction, distributed
 from gpufleet.errors import (
     ConfigError,
@@ -29,7 +30,6 @@ from gpufleet.launchers.warm import Pool, pool
 from gpufleet.runs.handles import Run, attach, runs
 from gpufleet.tracking import log_metrics
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
