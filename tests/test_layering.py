@@ -42,7 +42,7 @@ RANK_SIDE = ("gpufleet.rank", "gpufleet.runtime", "gpufleet.data", "gpufleet.str
 PROCESS_SIDE_LAUNCHER_PARTS = ("gpufleet.launchers._elastic_agent", "gpufleet.launchers._template",
                                "gpufleet.launchers._ray_node")
 # Every other module under gpufleet.launchers (the registry included) is caller side.
-CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.__main__", "gpufleet.runs",
+CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.flags", "gpufleet.__main__", "gpufleet.runs",
                "gpufleet.watch", "gpufleet.launchers")
 SHARED = ("gpufleet", "gpufleet.errors", "gpufleet.options", "gpufleet.payload", "gpufleet.rundir",
           "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet._environ",

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, telemetry
+import argcomplete
+
+from gpufleet import __version__, _environ, flags, telemetry
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
-from gpufleet.options import DEFAULT_TIMEOUT, RunOptions
+from gpufleet.options import RunOptions, Surface, speaking
 from gpufleet.rank.script import run_command, run_module, run_script
 from gpufleet.rundir import RunDir, runs_root
 from gpufleet.runs import cluster, execution, handles, records
@@ -34,15 +36,18 @@ EXIT_OF_STATUS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    args.runs_dir = args.runs_dir or args.global_runs_dir
+    parser = _parser()
+    argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
     try:
+        args.runs_dir = args.runs_dir or args.global_runs_dir
         _check_folders(args)
     except ConfigError as exc:  # another user's folder, or none: bad input, whatever the command
         print(f"gpufleet: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return args.command(args)
+        with speaking(Surface.CLI, getattr(args, flags.SPELLED, {})):
+            return args.command(args)
     except (ConfigError, PayloadError) as exc:
         print(f"gpufleet: error: {exc}", file=sys.stderr)
         return EXIT_FAILED if getattr(args, "finds_run", False) else EXIT_USAGE
@@ -87,11 +92,8 @@ def cmd_run(args) -> int:
             raise ConfigError(f"script {script!r} not found (from {os.getcwd()})")
         fn, fn_args, name, what, kind = run_script, (script, rest), Path(script).stem, script, "script"
         argv = [script, *rest]
-    options = RunOptions.create(
-        gpus=args.gpus, gpu_type=args.gpu_type, remote=args.remote, max_retries=args.max_retries,
-        timeout=args.timeout, name=args.name, env=_env_pairs(args.env), runs_dir=args.runs_dir,
-        detach=args.detach, **({"ray_address": args.ray_address} if args.ray_address else {}),
-    )
+    given, _ = flags.options_from(args)
+    options = RunOptions.create(**given, runs_dir=args.runs_dir)
     call = execution.Call.prepare(fn, fn_args, {}, options, name, what, kind=kind)
     if args.detach:
         return _started(handles.submit(call, argv=argv), args.json)
@@ -108,14 +110,15 @@ def cmd_submit(args) -> int:
     from gpufleet.runs import workload
 
     work = workload.load(args.workload)
-    env = dict(work.options.pop("env"))
+    env = dict(work.options.pop("env", {}))
     if work.parameters_file is not None:
         env[_environ.PARAMETERS] = str(work.parameters_file)
-    with _naming(work.path):
+    with _naming(work.path), speaking(Surface.FILE):
         if args.ray_address:
             work.options["ray_address"] = args.ray_address
-        options = RunOptions.create(**work.options, env={k: str(v) for k, v in env.items()},
-                                    runs_dir=args.runs_dir, detach=True)
+        if args.runs_dir:
+            work.options["runs_dir"] = args.runs_dir
+        options = RunOptions.create(**work.options, env=env, detach=True)
     entries: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
         "script": (run_script, (work.target, work.args)),
         "module": (run_module, (work.target, work.args)),
@@ -123,7 +126,7 @@ def cmd_submit(args) -> int:
     }
     fn, fn_args = entries[work.entry]
     name = Path(work.target).stem if work.entry == "script" else work.path.stem
-    with _naming(work.path):  # e.g. more gpus than this machine has, another gpu_type
+    with _naming(work.path), speaking(Surface.FILE):  # e.g. more gpus than this machine has
         call = execution.Call.prepare(
             fn, fn_args, {}, options, name, str(work.path), kind=work.entry, params=work.parameters,
         )
@@ -269,19 +272,6 @@ def _size(folder: Path) -> int:
     return total
 
 
-def _age(text: str) -> float:
-    """``90s``, ``30m``, ``12h``, ``7d`` (or seconds) as seconds."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
-    try:
-        seconds = float(number) * units[unit]
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an age: give a number and a unit, e.g. 90s, 30m, 12h, 7d")
-    return seconds
-
-
 def _foreground(call: execution.Call, record: records.Record) -> int:
     try:
         execution.execute(call, record)
@@ -352,46 +342,28 @@ def _naming(path: Path):
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def _env_pairs(pairs: list[str]) -> dict[str, str]:
-    """``--env KEY=VALUE``, or ``--env KEY``: KEY's value here, which then appears on no
-    command line (``ps`` shows those to every user of the machine)."""
-    env = {}
-    here = _environ.snapshot()
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not key:
-            raise ConfigError(
-                "an --env value names no variable (it starts with '=': the value is not "
-                "shown, it may be a secret); give --env KEY or --env KEY=VALUE")
-        if not sep:
-            if key not in here:
-                raise ConfigError(f"--env {key}: {key} is not set in this environment; "
-                                  f"export {key} first (or, for a value that is no secret, "
-                                  f"give --env {key}=VALUE)")
-            value = here[key]
-        env[key] = value
-    return env
-
-
 def _parser() -> argparse.ArgumentParser:
     runs_dir_help = "the runs folder (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)"
-    common = argparse.ArgumentParser(add_help=False)
+    common = flags.Parser(add_help=False)
     common.add_argument("--runs-dir", type=Path, metavar="DIR", help=runs_dir_help)
-    on_cluster = argparse.ArgumentParser(add_help=False, parents=[common])
+    on_cluster = flags.Parser(add_help=False, parents=[common])
     on_cluster.add_argument("--ray-address", metavar="ADDRESS",
                          help="the Ray cluster (default: RAY_ADDRESS); its Jobs address, "
                          "http://HEAD:8265, reaches runs supervised there from any machine")
-    parser = argparse.ArgumentParser(
+    parser = flags.Parser(
         prog="gpufleet",
         description="Run scripts and workload files on this machine's GPUs (or a Ray cluster); "
         "list, follow, cancel and prune runs.",
         epilog="exit status: 0 success, 1 run failed or not found, 2 bad usage, 124 timeout, "
         "130 interrupted or cancelled, 143 preempted",
     )
+    parser.add_argument("--version", action="version", version=f"gpufleet {__version__}")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="only warnings and errors from gpufleet itself (the ranks' output stays)")
     # before the command too; its own dest, as a subcommand's default would overwrite it
     parser.add_argument("--runs-dir", type=Path, dest="global_runs_dir", metavar="DIR", help=runs_dir_help)
-    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
-    _run_command(sub, on_cluster)
+    sub = parser.add_subparsers(title="commands", required=True, metavar="COMMAND", parser_class=flags.Parser)
+    _run_command(sub, common)
     _other_commands(sub, common, on_cluster)
     return parser
 
@@ -400,21 +372,11 @@ def _run_command(sub: Any, common: argparse.ArgumentParser) -> None:
     run = sub.add_parser("run", parents=[common], help="run a script on N GPUs, as torchrun would",
                          description="Run a Python script (or -m module) on every rank, with "
                          "torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), "
-                         "live [rank N] logs, precise errors and a run record.")
-    run.add_argument("--gpus", type=int, help="processes, one per GPU (default: every GPU; 2 CPU processes without one)")
-    run.add_argument("--gpu-type", help="check the GPU model first, e.g. H100")
-    run.add_argument("--remote", action="store_true", help="run on the Ray cluster (--ray-address, RAY_ADDRESS)")
-    run.add_argument("--max-retries", type=int, default=0, help="start a failed run again up to K times")
-    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for the whole run (default 3 h)")
-    run.add_argument("--name", help="the run's name (default: the script's)")
-    run.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
-                     help="an environment variable for every rank (repeatable); KEY alone passes "
-                     "on its value in this environment, as `docker run -e KEY` does. A VALUE "
-                     "written on the command line is visible to every user of this machine "
-                     "(ps, /proc): give secrets as --env KEY")
-    run.add_argument("--detach", action="store_true", help="start in the background, print the run id and return")
+                         "live [rank N] logs, precise errors and a run record. Durations read 90, "
+                         "90s, 30m, 2h, 7d.")
+    flags.add_option_flags(run)
     run.add_argument("--json", action="store_true", help="with --detach: print the run as JSON")
-    run.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
+    run.add_argument("-m", "--module", dest="module", nargs=argparse.REMAINDER, metavar="MODULE [args ...]",
                      help="run a module, as python -m does (the rest of the line is its own)")
     run.add_argument("args", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
     # writes: in the runs folder; starts: a run, in gpufleet's home too (device locks,
@@ -441,7 +403,8 @@ def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argpa
         "and, with --older-than, of warm pools that are gone; print what was deleted. With both "
         "limits, a run goes when it ended more than AGE ago and is not among the N most recently "
         "ended.")
-    prune.add_argument("--older-than", type=_age, metavar="AGE", help="runs that ended more than AGE ago: 90s, 30m, 12h, 7d")
+    prune.add_argument("--older-than", type=flags.duration, metavar="AGE",
+                       help="runs that ended more than AGE ago: 90s, 30m, 12h, 7d")
     prune.add_argument("--keep", type=int, metavar="N", help="keep the N most recently ended runs")
     prune.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     prune.set_defaults(command=cmd_prune, writes=True)

@@ -1,4 +1,11 @@
-"""The options of a distributed call, checked before anything starts.
+"""The options of a distributed call: their one definition, and their checks before anything
+starts.
+
+Every option is defined once, in ``OPTIONS``: its help text, its kind, and which surfaces have
+it. The decorator and ``.options()`` take them as keywords; ``gpufleet run`` generates its flags
+from the table (``cli.py``), workload files their fields and JSON Schema (``runs/workload.py``),
+and ``$GPUFLEET_HOME/config.yaml`` the user's defaults of some of them. An error names the
+option as the surface it came from spells it (``gpus=0``, ``--gpus 0``, ``gpus: 0``).
 
 Checks here need no hardware; those that do (how many GPUs are visible, their type) live in
 ``launchers/hardware.py`` and run when the call is made.
@@ -6,14 +13,22 @@ Checks here need no hardware; those that do (how many GPUs are visible, their ty
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import datetime
+import difflib
 import enum
 import math
 import os
-from collections.abc import Mapping, Sequence
+import re
+import shlex
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from gpufleet import _environ
 from gpufleet.errors import ConfigError
 
 DEFAULT_TIMEOUT = 3 * 3600.0
@@ -23,14 +38,8 @@ DEFAULT_PLACEMENT_TIMEOUT = 300.0
 LOG_CHOICES = ("all", "rank0", "none")
 REMOTE_ENGINES = ("ray",)  # remote=True picks the first
 PLACEMENTS = ("pack", "spread", "strict_pack", "strict_spread")  # Ray's placement strategies
-# Options that only a remote run uses, with their defaults.
-CLUSTER_OPTIONS = {
-    "ray_address": None,
-    "placement": "pack",
-    "placement_timeout": DEFAULT_PLACEMENT_TIMEOUT,
-    "pip": False,
-    "runtime_env": None,
-}
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+CONFIG_FILE = "config.yaml"  # under $GPUFLEET_HOME: the user's defaults
 
 
 class Unchanged(enum.Enum):
@@ -43,6 +52,80 @@ class Unchanged(enum.Enum):
 
 
 KEEP = Unchanged.KEEP
+
+
+class Surface(enum.Enum):
+    """Where options come from, which decides how an error spells them."""
+
+    PYTHON = "python"  # @distributed(gpus=2), .options(...), gpufleet.pool(...)
+    CLI = "cli"  # gpufleet run --gpus 2
+    FILE = "file"  # a workload file's field, or a key of the config file: gpus: 2
+
+
+_surface: contextvars.ContextVar[tuple[Surface, Mapping[str, str]]] = contextvars.ContextVar(
+    "gpufleet_surface", default=(Surface.PYTHON, {}))
+
+
+@contextlib.contextmanager
+def speaking(surface: Surface, flags: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Errors raised inside spell options as ``surface`` does; ``flags``: the flag the user
+    typed for an option where it has several (``--nproc-per-node`` for ``gpus``)."""
+    token = _surface.set((surface, dict(flags or {})))
+    try:
+        yield
+    finally:
+        _surface.reset(token)
+
+
+_BARE = object()
+
+
+def spell(name: str, value: Any = _BARE) -> str:
+    """An option (with a value) as the surface in use writes it: ``gpus=0``, ``--gpus 0``,
+    ``gpus: 0``."""
+    surface, flags = _surface.get()
+    if surface is Surface.CLI:
+        flag = flags.get(name) or flag_of(name)
+        if value is _BARE:
+            return flag
+        if isinstance(value, bool) and name in OPTIONS and OPTIONS[name].kind == "flag":
+            return flag if value else f"--no-{flag[2:]}"
+        return f"{flag} {_as_text(value)}"
+    if surface is Surface.FILE:
+        return f"field {name!r}" if value is _BARE else f"field {name!r}: {_as_yaml(value)}"
+    return name if value is _BARE else f"{name}={value!r}"
+
+
+def choices(values: Sequence[str]) -> str:
+    """Choices as the surface in use writes them: ``'pack', 'spread'`` in Python."""
+    quoted = _surface.get()[0] is Surface.PYTHON
+    return ", ".join(repr(v) if quoted else v for v in values)
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _as_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return shlex.quote(str(value))
+
+
+def _as_yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_as_yaml(v) for v in value) + "]"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,13 +167,14 @@ class RunOptions:
 
     @classmethod
     def _create(cls, options: dict, given: set[str]) -> "RunOptions":
-        unknown = sorted(set(options) - set(option_names()))
+        unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ConfigError(
-                f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-                f"valid options are: {', '.join(option_names())}"
+                f"unknown option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(repr(u) + did_you_mean(u, OPTIONS) for u in unknown)}; "
+                f"valid options are: {', '.join(OPTIONS)}"
             )
-        run = cls(**_checked(options))
+        run = cls(**{**_checked(options), **user_defaults(options)})
         _check_remote_combination(run, given)
         return run
 
@@ -130,8 +214,8 @@ def check_world(options: RunOptions, world_size: int) -> None:
     """Checks that need the number of ranks, made once the machine has been looked at."""
     if isinstance(options.logs, tuple) and any(r >= world_size for r in options.logs):
         raise ConfigError(
-            f"logs={list(options.logs)} names ranks the run does not have: it has {world_size} "
-            f"ranks, 0 to {world_size - 1}"
+            f"{spell('logs', list(options.logs))} names ranks the run does not have: it has "
+            f"{world_size} ranks, 0 to {world_size - 1}"
         )
 
 
@@ -139,7 +223,171 @@ def option_names() -> list[str]:
     return [f.name for f in dataclasses.fields(RunOptions)]
 
 
-def _checked(options: dict) -> dict:
+def did_you_mean(word: str, choices: Sequence[str] | Mapping[str, Any]) -> str:
+    """`` (did you mean 'gpus'?)`` for a near miss, else nothing."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option's definition: every surface that has it is generated from this."""
+
+    name: str
+    help: str  # the one help text: --help, the decorator's docstring, the JSON Schema
+    kind: str  # how a flag reads it: count, duration, flag, switch, text, choice, ranks, env, names, pip, json, path
+    schema: dict  # its workload field's JSON Schema
+    choices: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # torchrun's flags that mean the same
+    metavar: str | None = None
+    cli: bool = True  # a flag of `gpufleet run`
+    file: bool = True  # a field of workload files
+    config: bool = False  # a user default in $GPUFLEET_HOME/config.yaml
+    remote_only: bool = False  # an error without remote
+    default_note: str = ""  # the default, as --help shows it
+
+    @property
+    def default(self) -> Any:
+        f = _FIELDS[self.name]
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+_DURATION = {"type": ["number", "string"], "pattern": r"^\s*[0-9.]+\s*[smhd]?\s*$"}
+_NULLABLE_DURATION = {"anyOf": [_DURATION, {"type": "null"}, {"enum": ["none", "off"]}]}
+_STRING = {"type": "string", "minLength": 1}
+
+
+def _options(*options: Option) -> dict[str, Option]:
+    return {o.name: o for o in options}
+
+
+OPTIONS = _options(
+    Option("gpus", "processes, one per GPU (default: every visible GPU, 2 CPU processes where "
+           "there is none; with remote: GPUs across the cluster)", "count",
+           {"type": ["integer", "null"], "minimum": 1}, aliases=("--nproc-per-node",), metavar="N"),
+    Option("gpu_type", "check the GPU model before starting, e.g. H100", "text", _STRING,
+           metavar="MODEL"),
+    Option("remote", "run on a Ray cluster (ray_address, else RAY_ADDRESS); ranks are ordered by "
+           "node, then GPU", "flag", {"anyOf": [{"type": "boolean"}, {"enum": list(REMOTE_ENGINES)}]}),
+    Option("timeout", "time limit of the whole run: 90, 90s, 30m, 2h, 7d, or none", "duration",
+           _NULLABLE_DURATION, config=True, metavar="DURATION", default_note="3h"),
+    Option("logs", "which ranks' output is shown live: all, rank0, none, or ranks such as 0,3",
+           "ranks", {"anyOf": [{"enum": list(LOG_CHOICES)},
+                               {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
+           choices=LOG_CHOICES, aliases=("--local-ranks-filter",), config=True, metavar="RANKS",
+           default_note="all"),
+    Option("env", "environment variables for every rank. On the command line, --env KEY passes "
+           "on KEY's value here, as `docker run -e KEY` does; a VALUE written on a command line "
+           "is visible to every user of the machine (ps, /proc): give secrets as --env KEY", "env",
+           {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+           metavar="KEY[=VALUE]"),
+    Option("runs_dir", "where run folders go (default: $GPUFLEET_HOME/runs, ~/.gpufleet/runs)",
+           "path", _STRING, config=True, metavar="DIR"),
+    Option("max_retries", "how many times a failed run starts again, all ranks together",
+           "count", {"type": "integer", "minimum": 0}, aliases=("--max-restarts",), config=True,
+           metavar="N", default_note="0"),
+    Option("no_retry", "exception types (by name, e.g. ValueError) whose failure is final, never "
+           "retried", "names", {"type": "array", "items": _STRING}, metavar="EXCEPTION"),
+    Option("hang_timeout", "time without output or runtime.heartbeat() on any rank after which "
+           "the run counts as hung: stacks collected, culprit named, run stopped; none: off",
+           "duration", _NULLABLE_DURATION, config=True, metavar="DURATION", default_note="30m"),
+    Option("grace_period", "time ranks get to stop (runtime.should_stop()) after a SIGTERM, "
+           "before they are killed", "duration", _DURATION, config=True, metavar="DURATION",
+           default_note="30s"),
+    Option("show_timings", "print where each call's time went (every run folder keeps "
+           "timings.json either way)", "flag", {"type": "boolean"}, config=True),
+    Option("tracking", "MLflow: one run per call, shared by every rank (default: when MLflow is "
+           "installed; on: require it; off: never)", "switch", {"type": ["boolean", "null"]},
+           config=True),
+    Option("warm", "keep the ranks alive after a call, so the next call ships only its payload "
+           "(a gpufleet.pool)", "flag", {"type": "boolean"}, cli=False, file=False),
+    Option("ray_address", "the Ray cluster of a remote run: HOST:6379, ray://HOST:10001, "
+           "http://HEAD:8265 (its Jobs address: the run is supervised there) or auto "
+           "(default: RAY_ADDRESS, else a local Ray instance)", "text", _STRING,
+           remote_only=True, metavar="ADDRESS"),
+    Option("placement", "how a remote run's ranks spread over nodes: pack (as few nodes as "
+           "possible), spread, strict_pack (one node) or strict_spread (one rank per node)",
+           "choice", {"enum": list(PLACEMENTS)}, choices=PLACEMENTS, remote_only=True,
+           default_note="pack"),
+    Option("placement_timeout", "how long a remote run waits for enough free GPUs (a cluster "
+           "with too few GPUs at all fails at once)", "duration", _DURATION, config=True,
+           remote_only=True, metavar="DURATION", default_note="5m"),
+    Option("pip", "packages for a remote run's workers: true ships this environment's (pinned), "
+           "or a list of requirements", "pip",
+           {"anyOf": [{"type": "boolean"}, {"type": "array", "items": _STRING, "minItems": 1}]},
+           remote_only=True, metavar="REQUIREMENT"),
+    Option("runtime_env", "Ray runtime_env fields merged into what gpufleet ships (gpufleet, your "
+           "modules, the working folder), e.g. {\"excludes\": [\"data/\"]}", "json",
+           {"type": ["object", "null"]}, remote_only=True, metavar="JSON"),
+    Option("name", "the run's name, in its id and in `gpufleet runs` (default: the function's "
+           "or script's)", "text", _STRING),
+    Option("detach", "a submitted run goes on after the process that submitted it ends",
+           "flag", {"type": "boolean"}, file=False),
+)
+_FIELDS = {f.name: f for f in dataclasses.fields(RunOptions)}
+assert list(OPTIONS) == list(_FIELDS), "OPTIONS and RunOptions list the same options, in order"
+# Why an option is missing from a surface: said when it is used there.
+NOT_ON = {
+    ("warm", Surface.CLI): "a warm pool lives in the calling Python process, and the command "
+    "ends after one run: use @distributed(warm=True) or gpufleet.pool() in Python",
+    ("warm", Surface.FILE): "a warm pool lives in the calling Python process, and a workload "
+    "file describes one run: use @distributed(warm=True) or gpufleet.pool() in Python",
+    ("detach", Surface.FILE): "gpufleet submit always detaches the run it starts",
+}
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``30m``, ``2h``, ``7d`` (or ``1.5h``) as seconds; ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text.lower())
+    if not match:
+        raise ValueError(text)
+    return float(match[1]) * DURATION_UNITS[match[2] or "s"]
+
+
+_defaults_cache: dict[Path, tuple[int, dict]] = {}
+
+
+def config_path() -> Path:
+    return _environ.gpufleet_home() / CONFIG_FILE
+
+
+def user_defaults(given: Mapping[str, Any] = {}) -> dict[str, Any]:
+    """The config file's defaults of options ``given`` leaves at their built-in default
+    (checked, re-read when the file changes). A missing file: none."""
+    path = config_path()
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    if _defaults_cache.get(path, (None,))[0] != stamp:
+        _defaults_cache[path] = (stamp, _read_config(path))
+    defaults = _defaults_cache[path][1]
+    return {k: v for k, v in defaults.items() if k not in given or given[k] == OPTIONS[k].default}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read gpufleet's config file: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of option names to defaults, e.g. timeout: 2h")
+    keys = [name for name, o in OPTIONS.items() if o.config]
+    for key in data:
+        if key not in keys:
+            raise ConfigError(
+                f"{path}: {key!r} cannot have a default here{did_you_mean(str(key), keys)}; "
+                f"the config file sets: {', '.join(keys)}")
+    with speaking(Surface.FILE):
+        try:
+            return _checked(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+
+def _checked(options: Mapping[str, Any]) -> dict:
     checks = {
         "gpus": _check_gpus,
         "gpu_type": _check_gpu_type,
@@ -167,22 +415,24 @@ def _checked(options: dict) -> dict:
 
 
 def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
-    """Cluster options without remote=True would be silently unused; a warm pool is local."""
+    """Cluster options without remote would be silently unused; a warm pool is local."""
     if not run.remote:
         unused = [
-            f"{name}={_shown(name, getattr(run, name))!r}" for name, default in CLUSTER_OPTIONS.items()
-            if name in given and getattr(run, name) != default
+            spell(name, _shown(name, getattr(run, name))) for name, o in OPTIONS.items()
+            if o.remote_only and name in given and getattr(run, name) != o.default
         ]
         if unused:
             many = len(unused) > 1
             raise ConfigError(
                 f"{', '.join(unused)} only {'apply' if many else 'applies'} to runs on a Ray "
-                f"cluster; add remote=True, or drop {'them' if many else 'it'} to run on this machine"
+                f"cluster; add {spell('remote', True)}, or drop {'them' if many else 'it'} to run "
+                "on this machine"
             )
     elif run.warm:
         raise ConfigError(
-            "warm=True keeps ranks alive on this machine; it does not combine with a Ray "
-            "cluster (remote=True): pass warm=False, or remote=False"
+            f"{spell('warm', True)} keeps ranks alive on this machine; it does not combine with a "
+            f"Ray cluster ({spell('remote', True)}): pass {spell('warm', False)}, or "
+            f"{spell('remote', False)}"
         )
 
 
@@ -190,55 +440,57 @@ def _check_gpus(gpus):
     if gpus is None:
         return None
     if isinstance(gpus, bool) or not isinstance(gpus, int):
-        raise ConfigError(f"gpus={gpus!r} must be a positive integer (or None for every GPU)")
+        raise ConfigError(f"{spell('gpus', gpus)} must be a positive whole number (or "
+                          f"{spell('gpus', None)} for every GPU)")
     if gpus <= 0:
         raise ConfigError(
-            f"gpus={gpus} must be at least 1: it is the number of processes, one per GPU "
-            "(use gpus=None for every visible GPU)"
+            f"{spell('gpus', gpus)} must be at least 1: it is the number of processes, one per "
+            f"GPU (use {spell('gpus', None)} for every visible GPU)"
         )
     return gpus
 
 
 def _check_gpu_type(gpu_type):
     if gpu_type is not None and (not isinstance(gpu_type, str) or not gpu_type.strip()):
-        raise ConfigError(f"gpu_type={gpu_type!r} must be a GPU model name such as 'H100', or None")
+        raise ConfigError(f"{spell('gpu_type', gpu_type)} must be a GPU model name such as 'H100'")
     return gpu_type.strip() if gpu_type else None
 
 
 def _check_remote(remote):
+    if isinstance(remote, str) and remote.lower() in REMOTE_ENGINES:
+        return remote.lower()
     if remote is True:
         return REMOTE_ENGINES[0]
-    if remote is False or remote in REMOTE_ENGINES:
+    if remote is False:
         return remote
     raise ConfigError(
-        f"remote={remote!r} must be False (this machine), True or 'ray' (a Ray cluster)"
+        f"{spell('remote', remote)} must be false (this machine), true or 'ray' (a Ray cluster)"
     )
 
 
 def _check_ray_address(address):
     if address is not None and (not isinstance(address, str) or not address.strip()):
         raise ConfigError(
-            f"ray_address={address!r} must be a Ray cluster address such as '10.0.0.1:6379', "
-            "'ray://head:10001' or 'auto', or None (RAY_ADDRESS, else a local Ray instance)"
+            f"{spell('ray_address', address)} must be a Ray cluster address such as "
+            "'10.0.0.1:6379', 'ray://head:10001', 'http://head:8265' or 'auto' (default: "
+            "RAY_ADDRESS, else a local Ray instance)"
         )
     return address.strip() if address else None
 
 
 def _check_placement(placement):
-    if placement not in PLACEMENTS:
+    if not isinstance(placement, str) or placement.lower() not in PLACEMENTS:
         raise ConfigError(
-            f"placement={placement!r} is not a choice; use one of "
-            f"{', '.join(map(repr, PLACEMENTS))} ('pack': as few nodes as possible)"
+            f"{spell('placement', placement)} is not a choice; use one of "
+            f"{choices(PLACEMENTS)} (pack: as few nodes as possible)"
+            f"{did_you_mean(str(placement).lower(), PLACEMENTS)}"
         )
-    return placement
+    return placement.lower()
 
 
 def _check_placement_timeout(placement_timeout):
-    return _seconds(
-        "placement_timeout", placement_timeout,
-        none="e.g. placement_timeout=300: how long to wait for enough free GPUs in the cluster",
-        allow_none=False,
-    )
+    return _seconds("placement_timeout", placement_timeout, allow_none=False,
+                    means="how long to wait for enough free GPUs in the cluster")
 
 
 def _check_pip(pip):
@@ -249,8 +501,8 @@ def _check_pip(pip):
     ):
         return tuple(p.strip() for p in pip)
     raise ConfigError(
-        f"pip={pip!r} must be True (install this environment's packages on the workers), "
-        "False, or a list of requirements such as ['transformers==4.46.0']"
+        f"{spell('pip', pip)} must be true (install this environment's packages on the "
+        "workers), false, or a list of requirements such as ['transformers==4.46.0']"
     )
 
 
@@ -259,97 +511,109 @@ def _check_runtime_env(runtime_env):
         return None
     if not isinstance(runtime_env, Mapping) or not all(isinstance(k, str) for k in runtime_env):
         raise ConfigError(  # its value is not shown: env_vars may hold secrets
-            f"runtime_env (a {type(runtime_env).__name__}) must be a dict of Ray runtime_env "
-            "fields with string names, e.g. "
-            "{'env_vars': {...}, 'excludes': ['data/']}, or None"
+            f"{spell('runtime_env')} (a {type(runtime_env).__name__}) must be a mapping of Ray "
+            "runtime_env fields with string names, e.g. {'env_vars': {...}, 'excludes': "
+            "['data/']}, or none"
         )
     if "pip" in runtime_env:
+        requirements = {Surface.PYTHON: "pip=[...]", Surface.CLI: "--pip-requirement REQ",
+                        Surface.FILE: "field 'pip': [...]"}[_surface.get()[0]]
         raise ConfigError(
-            "runtime_env={'pip': ...}: pass the requirements as pip=[...] instead, so that "
-            "gpufleet knows about them (pip=True ships this environment's packages)"
+            f"{spell('runtime_env')} holds 'pip': pass the requirements as {requirements} "
+            f"instead, so that gpufleet knows about them ({spell('pip', True)} ships this "
+            "environment's packages)"
         )
     return dict(runtime_env)
 
 
 def _check_timeout(timeout):
-    return _seconds("timeout", timeout, none="or None for no limit")
+    return _seconds("timeout", timeout, means="the whole run's time limit")
 
 
 def _check_hang_timeout(hang_timeout):
     return _seconds(
         "hang_timeout", hang_timeout,
-        none="or None to turn hang detection off: the seconds without output or "
-        "runtime.heartbeat() on any rank after which the run counts as hung",
+        means="the time without output or runtime.heartbeat() on any rank after which the run "
+        "counts as hung",
     )
 
 
 def _check_grace_period(grace_period):
-    return _seconds(
-        "grace_period", grace_period, none="e.g. grace_period=30: how long ranks get to stop after a SIGTERM",
-        allow_none=False,
-    )
+    return _seconds("grace_period", grace_period, allow_none=False,
+                    means="how long ranks get to stop after a SIGTERM")
 
 
 def _check_tracking(tracking):
     if tracking is not None and not isinstance(tracking, bool):
         raise ConfigError(
-            f"tracking={tracking!r} must be None (MLflow when installed), True or False"
+            f"{spell('tracking', tracking)} must be true (require MLflow), false (never track), "
+            "or none (track when MLflow is installed)"
         )
     return tracking
 
 
 def _check_warm(warm):
-    if not isinstance(warm, bool):
-        raise ConfigError(
-            f"warm={warm!r} must be True (keep the ranks alive between calls) or False"
-        )
-    return warm
+    return _bool("warm", warm, "keep the ranks alive between calls")
 
 
 def _check_name(name):
     if name is not None and (not isinstance(name, str) or not name.strip()):
-        raise ConfigError(f"name={name!r} must be a non-empty string naming the run, or None")
+        raise ConfigError(f"{spell('name', name)} must be a non-empty string naming the run")
     return name.strip() if name else None
 
 
 def _check_detach(detach):
-    if not isinstance(detach, bool):
-        raise ConfigError(
-            f"detach={detach!r} must be True (a submitted run outlives this process) or False"
-        )
-    return detach
+    return _bool("detach", detach, "a submitted run outlives the process that submitted it")
 
 
 def _check_show_timings(show_timings):
-    if not isinstance(show_timings, bool):
-        raise ConfigError(f"show_timings={show_timings!r} must be True or False")
-    return show_timings
+    return _bool("show_timings", show_timings, "print where each call's time went")
 
 
-def _seconds(name: str, value, *, none: str, allow_none: bool = True) -> float | None:
+def _bool(name: str, value, meaning: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{spell(name, value)} must be true ({meaning}) or false")
+    return value
+
+
+def _seconds(name: str, value, *, means: str, allow_none: bool = True) -> float | None:
+    """A duration, in every surface's forms: seconds (a number), ``90s``, ``30m``, ``2h``,
+    ``7d``, a ``timedelta``; None (or "none"/"off" where an option can be off)."""
+    off = f", or {spell(name, None)} to turn it off" if allow_none else ""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name}={value!r} must be a number of seconds, {none}")
-    if not value > 0 or math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"{name}={value!r} must be more than 0 seconds, {none}")
-    return float(value)
+    if isinstance(value, str) and value.strip().lower() in ("none", "off") and allow_none:
+        return None
+    seconds = value
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, str):
+        try:
+            seconds = parse_duration(value)
+        except ValueError:
+            seconds = None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise ConfigError(f"{spell(name, value)} is not a duration: give seconds or a number "
+                          f"with a unit, e.g. 90, 90s, 30m, 2h, 7d{off} ({means})")
+    if not seconds > 0 or math.isnan(seconds) or math.isinf(seconds):
+        raise ConfigError(f"{spell(name, value)} must be more than 0 seconds{off} ({means})")
+    return float(seconds)
 
 
 def _check_logs(logs):
     if isinstance(logs, str):
-        if logs not in LOG_CHOICES:
+        if logs.lower() not in LOG_CHOICES:
             raise ConfigError(
-                f"logs={logs!r} is not a choice; use one of {', '.join(map(repr, LOG_CHOICES))} "
-                "or a list of ranks such as [0, 3]"
+                f"{spell('logs', logs)} is not a choice; use one of {choices(LOG_CHOICES)} "
+                f"or a list of ranks such as 0,3{did_you_mean(logs.lower(), LOG_CHOICES)}"
             )
-        return logs
+        return logs.lower()
     if isinstance(logs, Sequence) and all(
         isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in logs
     ):
         return tuple(logs)
     raise ConfigError(
-        f"logs={logs!r} must be 'all', 'rank0', 'none' or a list of non-negative rank numbers"
+        f"{spell('logs', logs)} must be all, rank0, none or a list of non-negative rank numbers"
     )
 
 
@@ -357,22 +621,22 @@ def _check_env(env):
     """Names the offending key and the type of its value, never a value: env holds secrets."""
     if not isinstance(env, Mapping):
         raise ConfigError(
-            f"env must be a mapping of environment variable names to strings, got a "
+            f"{spell('env')} must be a mapping of environment variable names to strings, got a "
             f"{type(env).__name__}"
         )
     for key, value in env.items():
         if not isinstance(key, str) or not key or "=" in key or "\0" in key:
             shown = repr(key) if isinstance(key, str) else f"a {type(key).__name__}"
-            raise ConfigError(f"env: {shown} is not a valid environment variable name")
+            raise ConfigError(f"{spell('env')}: {shown} is not a valid environment variable name")
         if not isinstance(value, str):
             raise ConfigError(
-                f"env[{key!r}] is a {type(value).__name__}; environment values must be strings "
-                f"(e.g. str(...) it)"
+                f"{spell('env')}: {key!r} is a {type(value).__name__}; environment values must be "
+                f"strings (e.g. str(...) it)"
             )
         if "\0" in value:
             raise ConfigError(
-                f"env[{key!r}] holds a NUL byte, which no environment variable can carry; "
-                "remove it"
+                f"{spell('env')}: {key!r} holds a NUL byte, which no environment variable can "
+                "carry; remove it"
             )
     return dict(env)
 
@@ -394,16 +658,17 @@ def _shown(name: str, value):
 def _check_runs_dir(runs_dir):
     if runs_dir is None:
         return None
-    if not isinstance(runs_dir, (str, os.PathLike)):
-        raise ConfigError(f"runs_dir={runs_dir!r} must be a path, or None for ~/.gpufleet/runs")
+    if not isinstance(runs_dir, (str, os.PathLike)) or not str(runs_dir).strip():
+        raise ConfigError(f"{spell('runs_dir', runs_dir)} must be a path (default: "
+                          "$GPUFLEET_HOME/runs, ~/.gpufleet/runs)")
     return Path(runs_dir).expanduser().absolute()  # a later chdir does not move the runs
 
 
 def _check_max_retries(max_retries):
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
         raise ConfigError(
-            f"max_retries={max_retries!r} must be a whole number ≥ 0: how many times a failed "
-            "run starts again"
+            f"{spell('max_retries', max_retries)} must be a whole number ≥ 0: how many times a "
+            "failed run starts again"
         )
     return max_retries
 
@@ -415,7 +680,7 @@ def _check_no_retry(no_retry):
         for k in kinds
     ):
         raise ConfigError(
-            f"no_retry={no_retry!r} must be exception types or their names, e.g. "
-            "no_retry=(ValueError, 'mypackage.BadConfig')"
+            f"{spell('no_retry', no_retry)} must be exception types or their names, e.g. "
+            "ValueError, mypackage.BadConfig"
         )
     return tuple(kinds)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
+from gpufleet.options import spell
 
 CPU_DEFAULT_PROCESSES = 2
 
@@ -53,14 +54,15 @@ def place(gpus: int | None, gpu_type: str | None) -> Placement:
     if visible == 0:
         if gpu_type:
             raise ConfigError(
-                f"gpu_type={gpu_type!r} was asked for but no GPU is visible on this machine "
-                "(torch.cuda.device_count() is 0); drop gpu_type to run CPU processes with gloo"
+                f"{spell('gpu_type', gpu_type)} was asked for but no GPU is visible on this machine "
+                f"(torch.cuda.device_count() is 0); drop {spell('gpu_type')} to run CPU processes with gloo"
             )
         return Placement(device="cpu", nprocs=gpus or CPU_DEFAULT_PROCESSES)
     if gpus is not None and gpus > visible:
         raise ConfigError(
-            f"gpus={gpus} but only {visible} GPU{'s are' if visible != 1 else ' is'} visible here"
-            f"{_visible_devices_note()}; use gpus={visible} or fewer, or gpus=None for all of them"
+            f"{spell('gpus', gpus)} but only {visible} GPU{'s are' if visible != 1 else ' is'} visible here"
+            f"{_visible_devices_note()}; use {spell('gpus', visible)} or fewer, or "
+            f"{spell('gpus', None)} for all of them"
         )
     nprocs = gpus or visible
     names = gpu_names(nprocs) if gpu_type else ()
@@ -72,13 +74,13 @@ def place(gpus: int | None, gpu_type: str | None) -> Placement:
 def _virtual(gpus: int | None, gpu_type: str | None, count: int) -> Placement:
     if gpu_type:
         raise ConfigError(
-            f"gpu_type={gpu_type!r} was asked for but this machine has only virtual GPUs "
+            f"{spell('gpu_type', gpu_type)} was asked for but this machine has only virtual GPUs "
             f"({_environ.VIRTUAL_GPUS}={count}); drop gpu_type"
         )
     if gpus is not None and gpus > count:
         raise ConfigError(
-            f"gpus={gpus} but only {count} virtual GPUs are set ({_environ.VIRTUAL_GPUS}={count}); "
-            f"use gpus={count} or fewer"
+            f"{spell('gpus', gpus)} but only {count} virtual GPUs are set ({_environ.VIRTUAL_GPUS}={count}); "
+            f"use {spell('gpus', count)} or fewer"
         )
     return Placement(device="cpu", nprocs=gpus or count, virtual=count)
 
@@ -90,7 +92,7 @@ def check_gpu_type(gpu_type: str, names: tuple[str, ...]) -> None:
     if wrong:
         found = ", ".join(f"{names.count(n)} × {n}" for n in sorted(set(names)))
         raise ConfigError(
-            f"gpu_type={gpu_type!r} does not match the GPUs of this machine: found {found}; "
+            f"{spell('gpu_type', gpu_type)} does not match the GPUs of this machine: found {found}; "
             "set gpu_type to the model you have, or None to skip the check"
         )
 

@@ -35,7 +35,7 @@ from gpufleet.launchers._ray_job import RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.launchers.base import Gate, Launcher
 from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
-from gpufleet.options import RunOptions
+from gpufleet.options import RunOptions, spell
 from gpufleet.payload import write_private
 from gpufleet.rundir import Attempt, RunDir
 
@@ -285,8 +285,8 @@ def _place(options: RunOptions, address: str, nodes: list[dict]) -> ClusterPlace
     if not any(n["Resources"].get("GPU", 0) >= 1 for n in nodes):
         if options.gpu_type:
             raise ConfigError(
-                f"gpu_type={options.gpu_type!r} was asked for but the Ray cluster at {address} "
-                "has no GPU; drop gpu_type to run CPU processes with gloo, or add GPU nodes"
+                f"{spell('gpu_type', options.gpu_type)} was asked for but the Ray cluster at {address} "
+                f"has no GPU; drop {spell('gpu_type')} to run CPU processes with gloo, or add GPU nodes"
             )
         nprocs = options.gpus or CPU_DEFAULT_PROCESSES
         check_fits(nprocs, _capacities(nodes, None, gpus=False), options.placement, address, "CPU")
@@ -326,18 +326,18 @@ def check_fits(
     total = sum(capacities.values())
     if placement == "strict_pack" and max(capacities.values(), default=0) < nprocs:
         raise ConfigError(
-            f"gpus={nprocs} with placement='strict_pack' needs one node with {nprocs} {unit}s; "
+            f"{spell('gpus', nprocs)} with {spell('placement', 'strict_pack')} needs one node with {nprocs} {unit}s; "
             f"{where} has none that large. Use placement='pack' to span nodes, or fewer gpus"
         )
     if placement == "strict_spread" and sum(n > 0 for n in capacities.values()) < nprocs:
         raise ConfigError(
-            f"gpus={nprocs} with placement='strict_spread' needs {nprocs} nodes with a {unit} "
+            f"{spell('gpus', nprocs)} with {spell('placement', 'strict_spread')} needs {nprocs} nodes with a {unit} "
             f"each; {where} has fewer. Use placement='spread', or fewer gpus"
         )
     if total < nprocs:
         raise ConfigError(
-            f"gpus={nprocs} but {where} has {total} {unit}{'s' if total != 1 else ''} for ranks "
-            f"in all; use gpus={total} or fewer, gpus=None for all of them, or add nodes"
+            f"{spell('gpus', nprocs)} but {where} has {total} {unit}{'s' if total != 1 else ''} for ranks "
+            f"in all; use {spell('gpus', total)} or fewer, {spell('gpus', None)} for all of them, or add nodes"
         )
 
 
@@ -353,11 +353,11 @@ def _accelerator(gpu_type: str, nodes: list[dict], address: str) -> str:
     found = ", ".join(kinds) or "no accelerator type"
     if not matches:
         raise ConfigError(
-            f"gpu_type={gpu_type!r} does not match the GPUs of the Ray cluster at {address}: "
+            f"{spell('gpu_type', gpu_type)} does not match the GPUs of the Ray cluster at {address}: "
             f"Ray reports {found}; set gpu_type to one of them, or None to skip the check"
         )
     raise ConfigError(
-        f"gpu_type={gpu_type!r} matches several GPU models of the Ray cluster at {address} "
+        f"{spell('gpu_type', gpu_type)} matches several GPU models of the Ray cluster at {address} "
         f"({', '.join(matches)}); set gpu_type to one of them"
     )
 

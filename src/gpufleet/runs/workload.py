@@ -14,28 +14,21 @@ from typing import Any
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
-from gpufleet.options import RunOptions
+from gpufleet.options import NOT_ON, OPTIONS, RunOptions, Surface, did_you_mean, speaking
 from gpufleet.payload import write_private
 from gpufleet.rundir import ensure_private_dir
 
-# every field a workload file may have, and what it must be
-FIELDS = {
-    "name": "a string naming the run",
+# The fields of a workload file that are not options, and what each must be.
+ENTRY_FIELDS = {
     "script": "the path of a Python script (relative to the workload file)",
     "module": "a Python module to run as `python -m`",
     "command": "a command, as a string or a list of strings, run on every rank",
     "args": "a list of strings passed to the script or module",
-    "gpus": "a whole number of GPUs (one process each)",
-    "gpu_type": "a GPU model name such as 'H100'",
-    "env": "a mapping of environment variable names to string values",
     "parameters": "the path of a YAML or JSON file of parameters (copied when submitted)",
-    "max_retries": "a whole number ≥ 0",
-    "timeout": "seconds for the whole run",
-    "hang_timeout": "seconds without progress before the run counts as hung",
     "experiment": "an MLflow experiment name",
-    "remote": "true to run on a Ray cluster",
-    "ray_address": "with remote: the Ray cluster, e.g. 'http://HEAD:8265' (its Jobs address)",
 }
+# Every field: those, then every option a workload file has (options.OPTIONS).
+FIELDS = {**ENTRY_FIELDS, **{name: o.help for name, o in OPTIONS.items() if o.file}}
 ENTRY_POINTS = ("script", "module", "command")
 
 
@@ -57,11 +50,14 @@ class Workload:
 def load(path: str | os.PathLike) -> Workload:
     path = Path(path).expanduser().resolve()
     data = _read_mapping(path, "workload file")
-    unknown = sorted(set(data) - set(FIELDS))
+    unknown = sorted(set(data) - set(FIELDS), key=str)
     if unknown:
+        first = str(unknown[0])
+        why = NOT_ON.get((first, Surface.FILE))
         raise ConfigError(
-            f"{path}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
-            f"valid fields are: {', '.join(FIELDS)}"
+            f"{path}: unknown field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(u) + did_you_mean(str(u), FIELDS) for u in unknown)}"
+            + (f": {why}" if why else f"; valid fields are: {', '.join(FIELDS)}")
         )
     entries = [e for e in ENTRY_POINTS if e in data]
     if len(entries) != 1:
@@ -70,7 +66,8 @@ def load(path: str | os.PathLike) -> Workload:
             f"{', '.join(map(repr, entries)) or 'none'})"
         )
     for name, value in data.items():
-        _check_type(path, name, value)
+        if name in ENTRY_FIELDS:
+            _check_type(path, name, value)
     folder = path.parent
     entry = entries[0]
     target = data[entry]
@@ -81,9 +78,12 @@ def load(path: str | os.PathLike) -> Workload:
     if entry == "command" and "args" in data:
         raise ConfigError(f"{path}: 'args' goes with 'script' or 'module'; put them in 'command'")
     workload = Workload(path, folder, entry, target, [str(a) for a in data.get("args", [])])
-    workload.options = {k: data[k] for k in ("name", "gpus", "gpu_type", "max_retries", "timeout",
-                                             "hang_timeout", "remote", "ray_address") if k in data}
-    workload.options["env"] = {key: str(value) for key, value in data.get("env", {}).items()}
+    workload.options = {k: v for k, v in data.items() if k in OPTIONS}
+    if "env" in data:
+        _check_env(path, data["env"])
+        workload.options["env"] = {key: str(value) for key, value in data["env"].items()}
+    if isinstance(workload.options.get("runs_dir"), str):  # relative to the file, as scripts are
+        workload.options["runs_dir"] = str(folder / Path(workload.options["runs_dir"]).expanduser())
     _check_values(path, workload.options)
     if "parameters" in data:
         given = _existing(path, folder, "parameters", data["parameters"])
@@ -94,25 +94,14 @@ def load(path: str | os.PathLike) -> Workload:
 
 
 def _check_type(path: Path, name: str, value: Any) -> None:
-    if name == "env":
-        _check_env(path, value)
-        return
     ok = {
-        "name": isinstance(value, str) and value.strip(),
         "script": isinstance(value, str) and value.strip(),
         "module": isinstance(value, str) and value.strip() and not value.startswith("-"),
         "command": (isinstance(value, str) and value.strip()) or (
             isinstance(value, list) and value and all(_word(v) for v in value)),
         "args": isinstance(value, list) and all(_word(v) for v in value),
-        "gpus": isinstance(value, int) and not isinstance(value, bool),
-        "gpu_type": isinstance(value, str),
         "parameters": isinstance(value, str) and value.strip(),
-        "max_retries": isinstance(value, int) and not isinstance(value, bool),
-        "timeout": (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None,
-        "hang_timeout": (isinstance(value, (int, float)) and not isinstance(value, bool)) or value is None,
         "experiment": isinstance(value, str) and value.strip(),
-        "remote": isinstance(value, bool),
-        "ray_address": isinstance(value, str) and value.strip(),
     }[name]
     if not ok:
         raise ConfigError(f"{path}: field {name!r} is {value!r}; it must be {FIELDS[name]}")
@@ -122,7 +111,7 @@ def _check_env(path: Path, env: Any) -> None:
     """Names the offending variable and the kind of its value, never a value: env holds
     secrets, and errors land in terminals and logs."""
     if not isinstance(env, Mapping):
-        raise ConfigError(f"{path}: field 'env' is {_kind(env)}; it must be {FIELDS['env']}")
+        raise ConfigError(f"{path}: field 'env' is {_kind(env)}; it must be a mapping of variable names to values")
     for key, value in env.items():
         if not isinstance(key, str):
             raise ConfigError(
@@ -135,13 +124,37 @@ def _check_env(path: Path, env: Any) -> None:
 
 
 def _check_values(path: Path, options: dict[str, Any]) -> None:
-    """Each value as ``@distributed`` checks it (gpus at least 1, a timeout above 0, ...),
-    before anything starts; the error names the file and the field."""
-    for name, value in options.items():
-        try:  # a cluster's option is checked as a remote run's
-            RunOptions.create(**{name: value}, **({"remote": True} if name == "ray_address" else {}))
+    """Each option as ``@distributed`` checks it (gpus at least 1, a timeout above 0, ...),
+    before anything starts; the error names the file and the field as the file writes it."""
+    with speaking(Surface.FILE):
+        try:
+            RunOptions.create(**options)
         except ConfigError as exc:
-            raise ConfigError(f"{path}: field {name!r}: {exc}") from None
+            raise ConfigError(f"{path}: {exc}") from None
+
+
+def schema() -> dict:
+    """The JSON Schema of workload files (for editors), from the fields' one definition."""
+    entry = {
+        "script": {"type": "string", "minLength": 1},
+        "module": {"type": "string", "minLength": 1, "pattern": "^[^-]"},
+        "command": {"anyOf": [{"type": "string", "minLength": 1},
+                              {"type": "array", "minItems": 1, "items": {"type": ["string", "number"]}}]},
+        "args": {"type": "array", "items": {"type": ["string", "number"]}},
+        "parameters": {"type": "string", "minLength": 1},
+        "experiment": {"type": "string", "minLength": 1},
+    }
+    properties = {name: {"description": FIELDS[name], **rule} for name, rule in entry.items()}
+    properties.update({name: {"description": o.help, **o.schema} for name, o in OPTIONS.items() if o.file})
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "gpufleet workload file",
+        "description": "A run for `gpufleet submit`: a script, module or command, and its options.",
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+        "oneOf": [{"required": [e]} for e in ENTRY_POINTS],
+    }
 
 
 def _kind(value: Any) -> str:

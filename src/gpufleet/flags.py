@@ -1,0 +1,195 @@
+"""The command line's side of the options: ``gpufleet run``'s flags, generated from
+``options.OPTIONS``, and read back into the keywords ``RunOptions.create`` takes.
+
+Each flag reads text by its option's kind; the checks themselves are the options' own, so a
+flag and a keyword accept the same values and fail with the same words (spelled as flags).
+torchrun's names are accepted where they mean the same (``--nproc-per-node``, ``--max-restarts``,
+``--local-ranks-filter``, ``--standalone``), with underscores too (``--nproc_per_node``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from gpufleet import _environ
+from gpufleet.errors import ConfigError
+from gpufleet.options import NOT_ON, OPTIONS, Option, Surface, did_you_mean, flag_of, parse_duration
+
+SPELLED = "_spelled"  # the namespace's record of the flag the user typed, per option
+PIP_REQUIREMENT = "--pip-requirement"  # pip=[...] on the command line: one flag per requirement
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with "did you mean" for a misspelled flag or command, and no abbreviations
+    (``--gpu`` is not ``--gpus``: a prefix that works today breaks when a flag is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:
+        words = message.split()
+        if message.startswith("unrecognized arguments:") and len(words) > 2:
+            message += did_you_mean(words[2].split("=")[0], self._every_flag())
+            wrong = words[2].split("=")[0].lstrip("-").replace("-", "_")
+            if (wrong, Surface.CLI) in NOT_ON:
+                message += f"; {NOT_ON[wrong, Surface.CLI]}"
+        elif message.startswith("argument COMMAND: invalid choice:"):
+            chosen = message.split("'")[1]
+            choices = self._subparsers._group_actions[0].choices if self._subparsers else {}
+            message += did_you_mean(chosen, choices)
+        return super().error(message)
+
+
+    def _every_flag(self) -> list[str]:
+        """This parser's flags and its commands': argparse reports a command's unknown flag
+        from the top parser."""
+        found = [f for f, action in self._option_string_actions.items() if action.help != argparse.SUPPRESS]
+        for command in (self._subparsers._group_actions[0].choices.values() if self._subparsers else ()):
+            found += command._every_flag()
+        return found
+
+
+class _Spelled(argparse.Action):
+    """Stores the value and which of the option's flags gave it, for its errors."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _note(namespace, self.dest, option_string)
+        if self.nargs == 0:
+            values = self.const
+        if isinstance(self.default, list):  # repeatable
+            values = [*(getattr(namespace, self.dest) or []), values]
+        setattr(namespace, self.dest, values)
+
+
+class _SpelledSwitch(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        _note(namespace, self.dest, option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _note(namespace: argparse.Namespace, dest: str, flag: str | None) -> None:
+    spelled = dict(getattr(namespace, SPELLED, {}))
+    spelled[dest] = (flag or "").replace("_", "-")
+    setattr(namespace, SPELLED, spelled)
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """Every option the command line has, as flags of ``parser`` (``--runs-dir`` is common to
+    every command and added with them)."""
+    group = parser.add_argument_group("run options")
+    for option in OPTIONS.values():
+        if option.cli and option.name != "runs_dir":
+            _add(group, option)
+    torchrun = parser.add_argument_group("torchrun's flags, accepted with the same meaning")
+    torchrun.add_argument("--standalone", action="store_true",
+                          help="one machine with a rendezvous of its own: what a run here always is")
+    torchrun.add_argument("--nnodes", default="1", metavar="1",
+                          help="machines: 1 (a run across machines uses --remote, a Ray cluster)")
+
+
+def _add(group: argparse._ArgumentGroup, option: Option) -> None:
+    flags = [flag_of(option.name), *option.aliases]
+    underscored = [f for f in flags if "-" in f[2:]]
+    default_note = f" (default: {option.default_note})" if option.default_note else ""
+    common: dict[str, Any] = {"dest": option.name, "help": option.help + default_note}
+    if option.kind in ("flag", "switch"):
+        group.add_argument(*flags, action=_SpelledSwitch, default=None, **common)
+    elif option.kind in ("env", "names"):
+        group.add_argument(*flags, action=_Spelled, default=[], metavar=option.metavar,
+                           **{**common, "help": common["help"] + " (repeatable)"})
+    elif option.kind == "pip":
+        group.add_argument(*flags, action=_Spelled, nargs=0, const=True, default=None, **common)
+        group.add_argument(PIP_REQUIREMENT, action=_Spelled, default=[], metavar=option.metavar,
+                           dest="pip_requirements", help="a requirement for the workers (repeatable)")
+    else:
+        group.add_argument(*flags, action=_Spelled, metavar=option.metavar or option.name.upper(), **common)
+    for flag in underscored:  # torchrun's users type --nproc_per_node: the same, unlisted
+        kwargs: dict[str, Any] = {"dest": option.name, "help": argparse.SUPPRESS}
+        if option.kind in ("flag", "switch", "pip"):
+            kwargs.update(action=_Spelled, nargs=0, const=True, default=None)
+        else:
+            kwargs.update(action=_Spelled, default=[] if option.kind in ("env", "names") else None)
+        group.add_argument("--" + flag[2:].replace("-", "_"), **kwargs)
+
+
+def options_from(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    """The options the command line gave, as ``RunOptions.create``'s keywords, and the flag
+    each was given by."""
+    spelled = getattr(args, SPELLED, {})
+    given: dict[str, Any] = {}
+    for name, option in OPTIONS.items():
+        value = getattr(args, name, None)
+        if not option.cli or name == "runs_dir" or value is None or value == []:
+            continue
+        given[name] = _read(option, value, spelled.get(name) or flag_of(name))
+    requirements = getattr(args, "pip_requirements", [])
+    if requirements:
+        given["pip"] = tuple(requirements)
+        spelled = {**spelled, "pip": PIP_REQUIREMENT}
+    if getattr(args, "nnodes", "1") not in ("1", "1:1"):
+        raise ConfigError(f"--nnodes {args.nnodes}: a run here is one machine; a run across "
+                          "machines uses --remote (a Ray cluster, docs/cluster.md)")
+    return given, spelled
+
+
+def _read(option: Option, value: Any, flag: str) -> Any:
+    """A flag's text as the option's value (what the option's check then judges)."""
+    kind = option.kind
+    if kind == "count":
+        text = str(value).strip().lower()
+        if option.name == "gpus" and text in ("auto", "gpu", "none"):  # torchrun's words
+            return None
+        return int(text) if text.isdigit() else value
+    if kind == "ranks":
+        text = str(value).strip().strip("[]")
+        if text and all(part.strip().isdigit() for part in text.split(",")):
+            return tuple(int(part) for part in text.split(","))
+        return value
+    if kind == "env":
+        return env_pairs(value)
+    if kind == "json":
+        if str(value).strip().lower() == "none":
+            return None
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{flag}: not JSON ({exc.msg}); give a JSON object, e.g. "
+                              f"{flag} '{{\"excludes\": [\"data/\"]}}'") from None
+    if kind == "text" and str(value).strip().lower() == "none":
+        return None
+    return value
+
+
+def env_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    """``--env KEY=VALUE``, or ``--env KEY``: KEY's value here, which then appears on no
+    command line (``ps`` shows those to every user of the machine)."""
+    env = {}
+    here = _environ.snapshot()
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not key:
+            raise ConfigError(
+                "an --env value names no variable (it starts with '=': the value is not "
+                "shown, it may be a secret); give --env KEY or --env KEY=VALUE")
+        if not sep:
+            if key not in here:
+                raise ConfigError(f"--env {key}: {key} is not set in this environment; "
+                                  f"export {key} first (or, for a value that is no secret, "
+                                  f"give --env {key}=VALUE)")
+            value = here[key]
+        env[key] = value
+    return env
+
+
+def duration(text: str) -> float:
+    """An argparse type: ``90``, ``90s``, ``30m``, ``2h``, ``7d`` as seconds."""
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: give a number and a unit, e.g. 90s, 30m, 12h, 7d") from None
+
