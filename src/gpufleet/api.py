@@ -20,6 +20,7 @@ from gpufleet.options import (
     KEEP,
     RunOptions,
     Unchanged,
+    options_help,
 )
 from gpufleet.runs import cluster, execution, handles
 
@@ -179,56 +180,21 @@ def distributed(
     pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
     name: str | None = None, detach: bool = False, **unknown: NoReturn,
 ) -> DistributedFunction[R] | Callable[[Callable[..., R]], DistributedFunction[R]]:
-    """Make a function runnable on every GPU of this machine, or of a Ray cluster.
-
-    Options (all keyword-only):
-      gpus      number of processes, one per GPU; None = every visible GPU (2 CPU processes
-                with gloo when no GPU is visible). With remote=True: GPUs across the
-                cluster's nodes, None = every GPU of the cluster
-      gpu_type  check the GPU model ("H100", "H200", "A10", ...) before starting
-      remote    True (or "ray"): run on a Ray cluster, ranks ordered by node then GPU
-                (docs/cluster.md); False: this machine
-      timeout   seconds for the whole call (default 3 hours); None disables it
-      logs      which ranks' output is printed live: "all", "rank0", "none" or a list of ranks
-      env       extra environment variables for every rank (on a Ray cluster the ranks get
-                their node's environment plus these, not this process's)
-      runs_dir  where run folders go (default ~/.gpufleet/runs, or $GPUFLEET_HOME/runs)
-      max_retries  how many times a failed run starts again, all ranks together (default 0)
-      no_retry  exception types (or names) whose failure is final, e.g. (ValueError,)
-      hang_timeout  seconds without output or runtime.heartbeat() on any rank after which the
-                run counts as hung: stacks collected, culprit named, run stopped (default 1800;
-                None turns it off)
-      grace_period  seconds ranks get to stop (runtime.should_stop()) after this process gets
-                SIGTERM, before they are stopped (default 30)
-      show_timings  print where each call's time went (start-up phases, the function, results);
-                every run folder keeps them in timings.json either way
-      tracking  MLflow: one run per call, shared with every rank (None: when MLflow is
-                installed; True: require it; False: never)
-      warm      keep the ranks alive after a call, so the next call ships only its payload
-                (a gpufleet.pool shared by such functions; see gpufleet.pool)
-      name      the run's name in its id and in `gpufleet runs` (default: the function's)
-      detach    .submit() only: the run goes on after this process ends (re-attach with
-                gpufleet.attach(run_id))
-
-    Options of remote runs (an error without remote=True):
-      ray_address  the cluster: "HOST:6379", "ray://HOST:10001", "auto"; None: the connection
-                this process has, else RAY_ADDRESS, else a new local Ray instance
-      placement  "pack" (default: as few nodes as possible), "spread", "strict_pack" (one
-                node) or "strict_spread" (one rank per node)
-      placement_timeout  seconds to wait for enough free GPUs before failing (default 300);
-                a cluster that has too few GPUs at all fails at once
-      pip       True: install this environment's packages (pinned) on the workers through
-                Ray's runtime_env; or a list of requirements; False (default): none
-      runtime_env  Ray runtime_env fields merged into what gpufleet ships (gpufleet itself,
-                your local modules, the working directory): e.g. {"working_dir": None},
-                {"excludes": ["data/"]}, {"env_vars": {...}}, {"image_uri": ...}
-
-    Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``, on a function or a
-    callable instance; generator and ``async def`` functions are refused (no rank could run
-    what their call returns).
-    """
     given = {k: v for k, v in locals().items() if k not in ("fn", "unknown")}
     run_options = RunOptions.create(**given, **unknown)  # unknown: a ConfigError naming them
     if fn is None:
         return lambda f: DistributedFunction(f, run_options)
     return DistributedFunction(fn, run_options)
+
+
+distributed.__doc__ = f"""Make a function runnable on every GPU of this machine, or of a Ray cluster.
+
+Use as ``@distributed`` or ``@distributed(gpus=8, gpu_type="H100")``, on a function or a
+callable instance; generator and ``async def`` functions are refused (no rank could run what
+their call returns). Durations are seconds, or text such as "90s", "30m", "2h", "7d". The
+defaults of timeouts, logs, tracking, retries and the runs folder can be set once in
+``$GPUFLEET_HOME/config.yaml`` (docs/options.md).
+
+Options (all keyword-only; the same as `gpufleet run`'s flags and a workload file's fields):
+{options_help()}
+"""

@@ -1,3 +1,4 @@
+# PYTHON_ARGCOMPLETE_OK  (argcomplete: this command completes its own arguments)
 """The ``gpufleet`` command: run scripts and workload files, list, follow, cancel and prune runs.
 
 Exit status: 0 success; 1 the run failed (or no such run); 2 bad usage or input, before
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
     try:
-        args.runs_dir = args.runs_dir or args.global_runs_dir
+        args.runs_dir = getattr(args, "runs_dir", None) or args.global_runs_dir
         _check_folders(args)
     except ConfigError as exc:  # another user's folder, or none: bad input, whatever the command
         print(f"gpufleet: error: {exc}", file=sys.stderr)
@@ -249,6 +250,34 @@ def cmd_prune(args) -> int:
     return EXIT_FAILED if failed else 0
 
 
+def cmd_ui(args) -> int:
+    """Serve the MLflow UI on gpufleet's store, on loopback unless told otherwise."""
+    from gpufleet import tracking
+
+    return tracking.serve_ui(args.host, args.port)
+
+
+def cmd_schema(args) -> int:
+    from gpufleet.runs import workload
+
+    print(json.dumps(workload.schema(), indent=2))
+    return 0
+
+
+def cmd_completion(args) -> int:
+    print(argcomplete.shellcode(["gpufleet"], shell=args.shell))
+    return 0
+
+
+def _run_ids(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+    """Completion of a run id: the runs of the runs folder the line names."""
+    runs_dir = getattr(parsed_args, "runs_dir", None) or getattr(parsed_args, "global_runs_dir", None)
+    try:
+        return [r.id for r in handles.runs(runs_dir) if r.id.startswith(prefix)]
+    except (OSError, GpufleetError):
+        return []
+
+
 def _delete(path: Path) -> None:
     """Hidden first (no listing shows a half-deleted run), then removed; a folder left half
     deleted is picked up by the next prune."""
@@ -412,10 +441,29 @@ def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argpa
     for name, fn, what in (("logs", cmd_logs, "print a run's logs"), ("status", cmd_status, "show a run's record"),
                            ("cancel", cmd_cancel, "stop a run (every rank)")):
         one = sub.add_parser(name, parents=[on_cluster], help=what, description=what[0].upper() + what[1:] + ".")
-        one.add_argument("run", help="run id, or a unique start or 6-digit end of it")
+        one.add_argument("run", help="run id, or a unique start or 6-digit end of it").completer = _run_ids  # type: ignore[attr-defined]
         one.set_defaults(command=fn, finds_run=True, writes=name == "cancel")
         if name == "logs":
             one.add_argument("--rank", type=int, help="only this rank's log, without prefixes")
             one.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
         if name == "status":
             one.add_argument("--json", action="store_true", help="print the record as JSON")
+
+    ui = sub.add_parser("ui", help="serve the MLflow UI of gpufleet's runs",
+                        description="Serve the MLflow UI on the store gpufleet tracks into "
+                        "(MLFLOW_TRACKING_URI, else $GPUFLEET_HOME/mlflow.db), until Ctrl-C.")
+    ui.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
+    ui.add_argument("--port", type=int, default=5000, help="the port (default 5000)")
+    ui.set_defaults(command=cmd_ui)
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of workload files",
+                            description="Print the JSON Schema of workload files, for editors "
+                            "(e.g. `# yaml-language-server: $schema=...` in a workload file).")
+    schema.set_defaults(command=cmd_schema)
+
+    completion = sub.add_parser("completion", help="print the shell completion script",
+                                description="Print the completion script of the gpufleet command; "
+                                'e.g. in ~/.bashrc: eval "$(gpufleet completion bash)"')
+    completion.add_argument("shell", choices=("bash", "zsh", "fish", "tcsh", "powershell"), nargs="?",
+                            default="bash", help="the shell (default bash)")
+    completion.set_defaults(command=cmd_completion)

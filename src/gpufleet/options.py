@@ -336,6 +336,19 @@ NOT_ON = {
 }
 
 
+def options_help() -> str:
+    """Every option with its help, as the decorator's docstring lists them."""
+    import textwrap
+
+    lines = []
+    for name, o in OPTIONS.items():
+        default = f" (default: {o.default_note})" if o.default_note else ""
+        remote = " Remote runs only." if o.remote_only else ""
+        lines.append(textwrap.fill(f"{name}: {o.help}{default}.{remote}", width=92,
+                                   initial_indent="  ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
 def parse_duration(text: str) -> float:
     """``90``, ``90s``, ``30m``, ``2h``, ``7d`` (or ``1.5h``) as seconds; ValueError otherwise."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text.lower())
