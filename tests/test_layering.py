@@ -46,7 +46,7 @@ CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.flags", "gpufleet.__mai
                "gpufleet.watch", "gpufleet.launchers")
 SHARED = ("gpufleet", "gpufleet.errors", "gpufleet.options", "gpufleet.payload", "gpufleet.rundir",
           "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet._environ",
-          "gpufleet._process", "gpufleet._stacks", "gpufleet._version")
+          "gpufleet._process", "gpufleet._stacks", "gpufleet._version", "gpufleet._log")
 LAUNCHER_INTERFACE = "gpufleet.launchers.base"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 import argcomplete
 
 from gpufleet import __version__, _environ, flags, telemetry
+from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
 from gpufleet.options import RunOptions, Surface, speaking
 from gpufleet.rank.script import run_command, run_module, run_script
@@ -40,22 +42,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
+    if args.quiet:
+        log.setLevel(logging.WARNING)
     try:
         args.runs_dir = getattr(args, "runs_dir", None) or args.global_runs_dir
         _check_folders(args)
     except ConfigError as exc:  # another user's folder, or none: bad input, whatever the command
-        print(f"gpufleet: error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return EXIT_USAGE
     try:
         with speaking(Surface.CLI, getattr(args, flags.SPELLED, {})):
             return args.command(args)
     except (ConfigError, PayloadError) as exc:
-        print(f"gpufleet: error: {exc}", file=sys.stderr)
+        log.error(f"error: {exc}")
         return EXIT_FAILED if getattr(args, "finds_run", False) else EXIT_USAGE
     except PermissionError as exc:  # what _check_folders could not foresee (ACLs, a file's mode)
-        print(f"gpufleet: error: cannot use {exc.filename or 'a file of the runs folder'}: "
-              f"{exc.strerror}; use a folder of your own (--runs-dir DIR, or GPUFLEET_HOME)",
-              file=sys.stderr)
+        log.error(f"error: cannot use {exc.filename or 'a file of the runs folder'}: "
+                  f"{exc.strerror}; use a folder of your own (--runs-dir DIR, or GPUFLEET_HOME)")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -135,7 +138,7 @@ def cmd_submit(args) -> int:
     run = handles.submit(call, cwd=work.folder, env=extra, argv=[str(work.path)])
     if not args.follow:
         return _started(run, args.json)
-    print(f"gpufleet: submitted {run.id}", file=sys.stderr, flush=True)
+    log.info(f"submitted {run.id}")
     return _follow_to_end(run)
 
 
@@ -155,7 +158,7 @@ def cmd_runs(args) -> int:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     for r in rows:  # what is wrong with a damaged record, beside the table (not in it)
         if r["status"] == records.DAMAGED:
-            print(f"gpufleet: {r['error']}", file=sys.stderr)
+            log.warning("%s", r["error"])
     return 0
 
 
@@ -220,8 +223,8 @@ def cmd_cancel(args) -> int:
     try:
         status = run.cancel()
     except TimeoutError:
-        print(f"gpufleet: {run.id} did not stop in time; it is still {run.status()} "
-              f"(its supervisor: {run.record().get('supervisor')})", file=sys.stderr)
+        log.error(f"{run.id} did not stop in time; it is still {run.status()} "
+                  f"(its supervisor: {run.record().get('supervisor')})")
         return EXIT_FAILED
     print(f"{run.id}: {status}" + ("" if before not in records.FINAL else " (had already ended)"))
     return 0
@@ -240,13 +243,13 @@ def cmd_prune(args) -> int:
             try:
                 _delete(path)
             except OSError as exc:
-                print(f"gpufleet: could not delete {path}: {exc}", file=sys.stderr)
+                log.error(f"could not delete {path}: {exc}")
                 failed += 1
                 continue
         print(path.name.removeprefix(records.PRUNING))
     done = len(chosen) - failed
     what = f"{done} folder{'' if done == 1 else 's'}, {size / 2**20:.1f} MiB"
-    print(f"gpufleet: {'would delete' if args.dry_run else 'deleted'} {what}", file=sys.stderr)
+    log.info(f"{'would delete' if args.dry_run else 'deleted'} {what}")
     return EXIT_FAILED if failed else 0
 
 
@@ -305,7 +308,7 @@ def _foreground(call: execution.Call, record: records.Record) -> int:
     try:
         execution.execute(call, record)
     except RunFailedError as exc:
-        print(f"gpufleet: {exc}", file=sys.stderr, flush=True)
+        log.error("%s", exc)
         return EXIT_OF_STATUS[records.status_of(exc)]
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -326,7 +329,7 @@ def _follow_to_end(run: handles.Run, cancel_on_interrupt: bool = False) -> int:
     except KeyboardInterrupt:
         if not cancel_on_interrupt:
             raise
-        print(f"gpufleet: cancelling run {run.id}", file=sys.stderr, flush=True)
+        log.warning(f"cancelling run {run.id}")
         run.cancel()
         return EXIT_INTERRUPTED
     status = run.wait()
@@ -334,7 +337,7 @@ def _follow_to_end(run: handles.Run, cancel_on_interrupt: bool = False) -> int:
         try:
             run.result()
         except GpufleetError as exc:
-            print(f"gpufleet: {exc}", file=sys.stderr, flush=True)
+            log.error("%s", exc)
     return EXIT_OF_STATUS[records.RunStatus(status)]
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, _process, timings
+from gpufleet._log import log
 from gpufleet.payload import write_private
 from gpufleet.rank import worker
 from gpufleet.rundir import LauncherState, RunDir, rank_groups
@@ -129,8 +130,7 @@ def _end_daemons(own: set[int]) -> None:
     submitted from a rank are spared (``end_run_tree``)."""
     left = _process.end_run_tree(os.getpid(), DAEMON_GRACE_SECONDS, spare=own)
     if left:
-        print(f"gpufleet: processes the ranks started did not end after SIGKILL: {left}",
-              file=sys.stderr, flush=True)
+        log.warning(f"processes the ranks started did not end after SIGKILL: {left}")
 
 
 def _config(run: RunDir, nprocs: int):

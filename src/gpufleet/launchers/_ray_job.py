@@ -16,13 +16,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpufleet._log import log
 from gpufleet.launchers.base import Job
 from gpufleet.payload import write_private
 from gpufleet.rundir import Attempt, LauncherState
@@ -444,5 +444,4 @@ def _quietly(fn, *args, **kwargs) -> None:
     except (ValueError, ray.exceptions.RayError):
         pass
     except Exception as exc:
-        print(f"gpufleet: releasing the Ray job: {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        log.warning(f"releasing the Ray job: {type(exc).__name__}: {exc}")

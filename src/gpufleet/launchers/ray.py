@@ -19,7 +19,6 @@ import pickle
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ
+from gpufleet._log import log
 from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
 from gpufleet.launchers import _ray_env
 from gpufleet.launchers._ray_env import check_submitter as check_submitter  # for runs/
@@ -480,7 +480,7 @@ def launch(launch_plan: RayPlan, deadline: float | None = None) -> RayJob:
     from ray.util.placement_group import placement_group
 
     for note in launch_plan.notes:
-        print(f"gpufleet: {note}", file=sys.stderr, flush=True)
+        log.info(note)
     runtime_env = _ray_env.upload(launch_plan.runtime_env)
     run = launch_plan.attempt
     payload = ray.put(_without_caller_path(run.payload.read_bytes()))
@@ -526,9 +526,9 @@ def _wait_for_placement(ray, group, launch_plan: RayPlan, run: RunDir, deadline:
                 "them), add nodes, or pass a larger placement_timeout="
             ))
         if now > notice:
-            print(f"gpufleet: waiting for {_wanted(launch_plan)} in the Ray cluster "
-                  f"({_free(ray, launch_plan)}); up to placement_timeout="
-                  f"{launch_plan.placement_timeout:g} s", file=sys.stderr, flush=True)
+            log.info(f"waiting for {_wanted(launch_plan)} in the Ray cluster "
+                     f"({_free(ray, launch_plan)}); up to placement_timeout="
+                     f"{launch_plan.placement_timeout:g} s")
             notice = now + WAIT_REPEAT_S
     ray.get(ready)
 
@@ -579,7 +579,7 @@ def _gather(ray, refs: list, launch_plan: RayPlan, run: RunDir, deadline: float 
             raise _timeout(launch_plan, run, f"timed out after timeout={launch_plan.timeout:g} s "
                            f"while {what}; pass a larger timeout=")
         if now > notice:
-            print(f"gpufleet: {what} ...", file=sys.stderr, flush=True)
+            log.info(f"{what} ...")
             notice = now + WAIT_REPEAT_S
     try:
         return ray.get(refs)
@@ -647,6 +647,5 @@ def _record_layout(run: RunDir, launch_plan: RayPlan, slots: list[Slot], ranks: 
         gpus = ",".join(g for s in on for g in s.node["gpus"])
         nodes.append(f"node {node_rank} {on[0].node['ip']}: ranks {on[0].rank}-{on[-1].rank}"
                      + (f" (GPUs {gpus})" if gpus else ""))
-    print(f"gpufleet: {len(slots)} ranks on {len(nodes)} node{'s' if len(nodes) != 1 else ''} of "
-          f"the Ray cluster at {launch_plan.placement.address}: {'; '.join(nodes)}",
-          file=sys.stderr, flush=True)
+    log.info(f"{len(slots)} ranks on {len(nodes)} node{'s' if len(nodes) != 1 else ''} of "
+             f"the Ray cluster at {launch_plan.placement.address}: {'; '.join(nodes)}")

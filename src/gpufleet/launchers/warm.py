@@ -19,13 +19,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from gpufleet import _environ, _process
+from gpufleet._log import log
 from gpufleet.errors import ConfigError
 from gpufleet.launchers import devices, hardware, local
 from gpufleet.launchers.hardware import Placement
@@ -153,7 +153,7 @@ class Pool:
             return None
         why = self._stale(env)
         if why:
-            print(f"gpufleet: {why}; starting the pool's ranks again", file=sys.stderr, flush=True)
+            log.warning(f"{why}; starting the pool's ranks again")
             self._discard()
         if not self._start(stopped):
             return None
@@ -219,8 +219,8 @@ class _Ranks:
 
         def waits(holders: list[str]) -> None:
             give_up_devices(holders)  # another pool of this process would hold them forever
-            print(f"gpufleet: the pool waits for {placement.nprocs} free GPUs (held by "
-                  f"{', '.join(sorted(set(holders)))})", file=sys.stderr, flush=True)
+            log.info(f"the pool waits for {placement.nprocs} free GPUs (held by "
+                     f"{', '.join(sorted(set(holders)))})")
 
         try:
             if placement.takes_devices:
@@ -242,11 +242,8 @@ class _Ranks:
         except BaseException:
             cls(folder, agent, pipes, {}, lease).stop()
             raise
-        print(
-            f"gpufleet: pool of {placement.nprocs} warm ranks ready in "
-            f"{time.time() - called_at:.1f} s ({folder.path})",
-            file=sys.stderr, flush=True,
-        )
+        log.info(f"pool of {placement.nprocs} warm ranks ready in "
+                 f"{time.time() - called_at:.1f} s ({folder.path})")
         return cls(folder, agent, pipes, plan.env, lease)
 
     def hand_over(self, run: RunDir, env: dict[str, str]) -> None:
@@ -405,8 +402,8 @@ def give_up_devices(holders: list[str]) -> None:
     with _shared_lock:
         for key, shared in list(_shared.items()):
             if shared._holder() in holders:
-                print(f"gpufleet: closing the warm pool {shared.folder} to free its GPUs for "
-                      "this call", file=sys.stderr, flush=True)
+                log.info(f"closing the warm pool {shared.folder} to free its GPUs for "
+                         "this call")
                 shared.close()
                 del _shared[key]
 

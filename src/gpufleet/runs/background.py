@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from gpufleet import _environ, _process
+from gpufleet._log import log
 from gpufleet.errors import RunCancelledError
 from gpufleet.launchers import devices
 from gpufleet.payload import load_private
@@ -51,12 +52,12 @@ def main(argv: list[str]) -> int:
     try:
         execution.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
     except (KeyboardInterrupt, RunCancelledError):
-        print(f"gpufleet: run {record.id} cancelled", flush=True)
+        log.info(f"run {record.id} cancelled")
         return 130
     except BaseException as exc:  # kept in the record (outcome.pkl) for Run.result()
-        print(f"gpufleet: run {record.id} {record.status()}: {exc}", flush=True)
+        log.info(f"run {record.id} {record.status()}: {exc}")
         return 1
-    print(f"gpufleet: run {record.id} succeeded", flush=True)
+    log.info(f"run {record.id} succeeded")
     return 0
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpufleet import _environ, _process
+from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launchers import devices
 from gpufleet.payload import load_private, write_private
@@ -228,15 +229,15 @@ def _start_supervisor(record: Record, detached: bool, cwd: Path | None, extra: d
     env.pop(_environ.PARENT_PID, None)
     if not detached:
         env[_environ.PARENT_PID] = str(os.getpid())
-    log = os.open(record.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log_file = os.open(record.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         return _process.starter().run(
             subprocess.Popen, [sys.executable, "-m", _process.SUPERVISOR_MODULE, str(record.path)],
-            env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
             start_new_session=True, pass_fds=(secrets, *((ticket.fd,) if ticket is not None else ())),
         )
     finally:
-        os.close(log)
+        os.close(log_file)
 
 
 def attach(run_id: str, runs_dir: str | os.PathLike | None = None, ray_address: str | None = None) -> Run:
@@ -267,7 +268,7 @@ def runs(runs_dir: str | os.PathLike | None = None, ray_address: str | None = No
         try:
             cluster.sync(address, _root(runs_dir))
         except ConfigError as exc:  # this machine's runs are worth listing all the same
-            print(f"gpufleet: {exc}; listing this machine's runs only", file=sys.stderr, flush=True)
+            log.warning(f"{exc}; listing this machine's runs only")
     return [cluster.attached(r) for r in records.all_records(_root(runs_dir))]
 
 

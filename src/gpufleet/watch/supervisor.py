@@ -13,11 +13,11 @@ import enum
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 from gpufleet import telemetry, timings
+from gpufleet._log import log
 from gpufleet.errors import RunCancelledError, RunFailedError
 from gpufleet.launchers.base import Job
 from gpufleet.options import RunOptions
@@ -144,7 +144,7 @@ class Supervisor:
         except OSError:  # the run folder is gone: nothing to keep, nothing to print
             return
         if self.options.show_timings:
-            print(f"gpufleet: timings of {self.folder.name}\n{found.table()}", file=sys.stderr, flush=True)
+            log.info(f"timings of {self.folder.name}\n{found.table()}")
 
     def _wait(self, deadline: float | None) -> list:
         if deadline is None and self.options.timeout is not None:
@@ -159,7 +159,7 @@ class Supervisor:
                 self.stop()
         except KeyboardInterrupt:
             self.stop()
-            print(f"gpufleet: interrupted; stopped every rank of {self.folder.name}", file=sys.stderr)
+            log.warning(f"interrupted; stopped every rank of {self.folder.name}")
             raise
         finally:
             self.follower.close()
@@ -253,7 +253,7 @@ class Supervisor:
         try:
             write_private(self.folder.tracking, json.dumps(pending.env()).encode())
         except OSError as exc:  # the ranks go on untracked after their own wait
-            print(f"gpufleet: MLflow run not handed to the ranks: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"MLflow run not handed to the ranks: {exc}")
         pending.attempt(self.number)
 
     def _ask_to_stop(self) -> None:
@@ -265,12 +265,8 @@ class Supervisor:
         if self.stop_deadline is None:
             self.stop_deadline = asked_at + self.options.grace_period
             write_private(self.folder.stop_request, b"SIGTERM\n")
-            print(
-                f"gpufleet: SIGTERM: asked every rank to stop (runtime.should_stop() is now True); "
-                f"ranks still running in {self.options.grace_period:g} s will be stopped",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.warning(f"SIGTERM: asked every rank to stop (runtime.should_stop() is now True); "
+                        f"ranks still running in {self.options.grace_period:g} s will be stopped")
         if self.preemption.repeated:
             self.stop_deadline = min(self.stop_deadline, time.monotonic())
 
