@@ -225,3 +225,14 @@ def test_version_and_shell_completion(tmp_path):
 
     assert complete("gpufleet sub") == ["submit"]
     assert "--nproc-per-node" in complete("gpufleet run --npr")
+
+
+def test_the_options_reference_lists_every_option_where_it_is():
+    from gpufleet.options import OPTIONS, flag_of
+
+    text = (REPO / "docs" / "options.md").read_text()
+    for name, o in OPTIONS.items():
+        flags = "`--pip`, `--pip-requirement REQ`" if name == "pip" else (
+            ", ".join(f"`{f}`" for f in [flag_of(name), *o.aliases]) if o.cli else "—")
+        row = f"| `{name}=` | {flags} | {'`' + name + ':`' if o.file else '—'} | {'yes' if o.config else '—'} |"
+        assert row in text, f"docs/options.md lacks (or has stale) the row: {row}"
