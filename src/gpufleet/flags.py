@@ -38,17 +38,19 @@ class Parser(argparse.ArgumentParser):
             if (wrong, Surface.CLI) in NOT_ON:
                 message += f"; {NOT_ON[wrong, Surface.CLI]}"
         elif message.startswith("argument COMMAND: invalid choice:"):
-            chosen = message.split("'")[1]
-            choices = self._subparsers._group_actions[0].choices if self._subparsers else {}
-            message += did_you_mean(chosen, choices)
+            message += did_you_mean(message.split("'")[1], list(self._commands()))
         return super().error(message)
 
+    def _commands(self) -> dict[str, "Parser"]:
+        if self._subparsers is None:
+            return {}
+        return self._subparsers._group_actions[0].choices  # type: ignore[return-value]
 
     def _every_flag(self) -> list[str]:
         """This parser's flags and its commands': argparse reports a command's unknown flag
         from the top parser."""
         found = [f for f, action in self._option_string_actions.items() if action.help != argparse.SUPPRESS]
-        for command in (self._subparsers._group_actions[0].choices.values() if self._subparsers else ()):
+        for command in self._commands().values():
             found += command._every_flag()
         return found
 

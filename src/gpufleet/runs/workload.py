@@ -135,7 +135,7 @@ def _check_values(path: Path, options: dict[str, Any]) -> None:
 
 def schema() -> dict:
     """The JSON Schema of workload files (for editors), from the fields' one definition."""
-    entry = {
+    entry: dict[str, dict[str, Any]] = {
         "script": {"type": "string", "minLength": 1},
         "module": {"type": "string", "minLength": 1, "pattern": "^[^-]"},
         "command": {"anyOf": [{"type": "string", "minLength": 1},
