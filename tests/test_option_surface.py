@@ -24,11 +24,12 @@ import subprocess
 import jsonschema
 import pytest
 import yaml
+from support import PYTHON, REPO, rank_lines
+from test_cli_input import cli_env, explain, write
+from test_cli_input import gpufleet as run_gpufleet
 
 import gpufleet
 from gpufleet import ConfigError, distributed, runtime
-from support import PYTHON, REPO, rank_lines
-from test_cli_input import cli_env, explain, gpufleet as run_gpufleet, write
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,12 +102,19 @@ def test_durations_and_torchrun_flags_on_the_command_line(tmp_path):
     assert rank_lines(proc.stdout, 1) == ["world 2 rank 1"] and not rank_lines(proc.stdout, 0), explain(proc)
 
 
-def test_durations_in_a_workload_file(tmp_path):
+def test_durations_in_a_workload_file_and_flags_that_override_its_fields(tmp_path):
     write(tmp_path / "sleeper.py", SLEEPER)
     write(tmp_path / "w.yaml", "script: sleeper.py\ngpus: 2\ntimeout: 3s\nhang_timeout: 30m\n"
           "tracking: false\nlogs: RANK0\n")
     proc = cli(tmp_path, "--runs-dir", tmp_path / "runs", "submit", "w.yaml", "--follow")
     assert proc.returncode == 124, explain(proc)
+
+    write(tmp_path / "reporter.py", REPORTER)
+    write(tmp_path / "r.yaml", "script: reporter.py\ngpus: 1\ntimeout: 2h\ntracking: false\n")
+    proc = cli(tmp_path, "--runs-dir", tmp_path / "runs", "submit", "r.yaml", "--follow",
+               "--nproc-per-node", "2", "--timeout", "5m")
+    assert proc.returncode == 0, explain(proc)
+    assert "world 2 rank 1" in proc.stdout, "--nproc-per-node overrides the file's gpus\n" + explain(proc)
 
 
 def test_choices_ignore_case():

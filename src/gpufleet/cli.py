@@ -117,12 +117,12 @@ def cmd_submit(args) -> int:
     env = dict(work.options.pop("env", {}))
     if work.parameters_file is not None:
         env[_environ.PARAMETERS] = str(work.parameters_file)
-    with _naming(work.path), speaking(Surface.FILE):
-        if args.ray_address:
-            work.options["ray_address"] = args.ray_address
+    given, spelled = flags.options_from(args)  # flags override the file's fields
+    env = {**env, **given.pop("env", {})}
+    with _naming(work.path), speaking(Surface.FILE if not given else Surface.CLI, spelled):
         if args.runs_dir:
             work.options["runs_dir"] = args.runs_dir
-        options = RunOptions.create(**work.options, env=env, detach=True)
+        options = RunOptions.create(**{**work.options, **given}, env=env, detach=True)
     entries: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
         "script": (run_script, (work.target, work.args)),
         "module": (run_module, (work.target, work.args)),
@@ -417,9 +417,10 @@ def _run_command(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argparse.ArgumentParser) -> None:
-    submit = sub.add_parser("submit", parents=[on_cluster], help="start a workload file in the background",
+    submit = sub.add_parser("submit", parents=[common], help="start a workload file in the background",
                             description="Start the run a workload file (YAML or JSON) describes; print its id.")
     submit.add_argument("workload", help="the workload file")
+    flags.add_option_flags(submit, workload=True)
     submit.add_argument("--follow", action="store_true", help="stream its logs and exit with its status")
     submit.add_argument("--json", action="store_true", help="print the run as JSON")
     submit.set_defaults(command=cmd_submit, writes=True, starts=True)

@@ -79,13 +79,16 @@ def _note(namespace: argparse.Namespace, dest: str, flag: str | None) -> None:
     setattr(namespace, SPELLED, spelled)
 
 
-def add_option_flags(parser: argparse.ArgumentParser) -> None:
+def add_option_flags(parser: argparse.ArgumentParser, *, workload: bool = False) -> None:
     """Every option the command line has, as flags of ``parser`` (``--runs-dir`` is common to
-    every command and added with them)."""
-    group = parser.add_argument_group("run options")
+    every command and added with them). ``workload``: the flags of ``gpufleet submit``, which
+    override the workload file's fields (a submitted run is always detached)."""
+    group = parser.add_argument_group("options (they override the workload file's)" if workload else "run options")
     for option in OPTIONS.values():
-        if option.cli and option.name != "runs_dir":
+        if option.cli and option.name != "runs_dir" and not (workload and not option.file):
             _add(group, option)
+    if workload:
+        return
     torchrun = parser.add_argument_group("torchrun's flags, accepted with the same meaning")
     torchrun.add_argument("--standalone", action="store_true",
                           help="one machine with a rendezvous of its own: what a run here always is")
