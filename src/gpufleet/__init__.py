@@ -12,8 +12,14 @@ rank's result or a precise error.
     results = train.distributed(3)
 """
 
+import sys
+
+if sys.platform == "win32":  # first: what follows needs fcntl, process groups and fork
+    raise ImportError("gpufleet runs on Linux (and on macOS for development); Windows is not supported: "
+                      "use WSL2 (https://learn.microsoft.com/windows/wsl/install)")
+
 from gpufleet import runtime
-from gpufleet._version import __version__
+from gpufleet._version import __version__ as __version__
 from gpufleet.api import DistributedFunction, distributed
 from gpufleet.errors import (
     ConfigError,
@@ -29,7 +35,6 @@ from gpufleet.errors import (
 from gpufleet.launchers.warm import Pool, pool
 from gpufleet.runs.handles import Run, attach, runs
 from gpufleet.tracking import log_metrics
-
 
 __all__ = [
     "ConfigError",

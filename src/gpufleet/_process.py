@@ -1,4 +1,8 @@
-"""Process hygiene shared by the caller, the agent and the workers: nothing outlives its run."""
+"""Process hygiene shared by the caller, the agent and the workers: nothing outlives its run.
+
+Processes are seen through psutil, so identity (pid and start time), liveness and the process
+tree read the same on Linux and macOS; death signals and the subreaper are Linux's own.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,18 @@ import threading
 import time
 from collections.abc import Collection, Container
 
+import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 SUPERVISOR_MODULE = "gpufleet.runs.background"  # a submitted run's supervisor (handles.py)
 SWEEP_POLL_SECONDS = 0.05
 KILL_WAIT_SECONDS = 2.0  # for SIGKILLed processes to vanish (one in the kernel's D state may not)
+# Start times count in clock ticks, file times finer; and a start time is read against the boot
+# time, which is whole seconds on Linux and moves when the clock is set.
+PID_CLOCK_SLACK_SECONDS = 1.0
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+_ENDED = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # a corpse nobody reaped yet
 
 
 def die_with_parent(sig: signal.Signals, expected_parent: int | None) -> None:
@@ -49,8 +60,8 @@ def reap_adopted(spare: Container[int]) -> None:
     """Collect the exit status of every child of this process that ended, but ``spare``:
     an adopted orphan is nobody else's to wait for, and would stay a zombie."""
     me = os.getpid()
-    for pid, (parent, state) in _process_table().items():
-        if parent == me and state == "Z" and pid not in spare:
+    for pid, (parent, ended) in _process_table().items():
+        if parent == me and ended and pid not in spare:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
 
@@ -59,12 +70,12 @@ def end_tree(root: int, grace: float, spare: Container[int] = ()) -> list[int]:
     """End every descendant of ``root`` but ``spare`` and what runs below them: SIGTERM,
     then SIGKILL for those still running after ``grace`` seconds; descendants that appear
     meanwhile (a process forking as it is stopped) get the same. Children of this process
-    are reaped. Returns the pids that could not be ended (empty where there is no /proc)."""
+    are reaped. Returns the pids that could not be ended."""
     deadline = time.monotonic() + grace
     asked: set[int] = set()
     while True:
         table = _process_table()
-        live = [pid for pid in _descendants(root, table, spare) if table[pid][1] != "Z"]
+        live = [pid for pid in _descendants(root, table, spare) if not table[pid][1]]
         if root == os.getpid():
             reap_adopted(spare)
         now = time.monotonic()
@@ -90,8 +101,7 @@ def _signal_child(pid: int, sig: signal.Signals, parent: int) -> None:
             os.kill(pid, sig)
         return
     try:
-        now = _stat(pid)
-        if now is not None and now[0] == parent:
+        if _parent(pid) == parent:
             signal.pidfd_send_signal(handle, sig)
     except (ProcessLookupError, PermissionError):  # gone, or another user's now (sudo): left
         pass
@@ -111,16 +121,15 @@ def running_module(root: int, module: str) -> set[int]:
     found = set()
     for pid in _descendants(root, _process_table()):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:  # gone
+            argv = psutil.Process(pid).cmdline()
+        except psutil.Error:  # gone, or another user's
             continue
-        if any(a == b"-m" and b == module.encode() for a, b in zip(argv, argv[1:])):
+        if any(a == "-m" and b == module for a, b in zip(argv, argv[1:])):
             found.add(pid)
     return found
 
 
-def _descendants(root: int, table: dict[int, tuple[int, str]], spare: Container[int] = ()) -> list[int]:
+def _descendants(root: int, table: dict[int, tuple[int, bool]], spare: Container[int] = ()) -> list[int]:
     """Every process below ``root``, but ``spare`` and what is below them."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in table.items():
@@ -133,66 +142,55 @@ def _descendants(root: int, table: dict[int, tuple[int, str]], spare: Container[
     return found
 
 
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state letter) of every process this one can see in /proc."""
+def _process_table() -> dict[int, tuple[int, bool]]:
+    """pid -> (parent pid, whether it has ended: a zombie) of every process this one can see."""
     table = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit() and (stat := _stat(int(name))) is not None:
-                table[int(name)] = stat
+    for proc in psutil.process_iter(["ppid", "status"]):
+        parent, status = proc.info["ppid"], proc.info["status"]
+        if parent is not None:  # None: gone, or not ours to see, meanwhile
+            table[proc.pid] = (parent, status in _ENDED)
     return table
 
 
-def stat_fields(pid: int) -> list[bytes] | None:
-    """The fields of ``/proc/PID/stat`` after the process's name (state first, so field N of
-    proc(5) is at N - 3); None when there is no such process."""
+def _parent(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ")"
-    except (OSError, IndexError):  # gone
+        return psutil.Process(pid).ppid()
+    except psutil.Error:  # gone
         return None
 
 
 def start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot: a pid reused by another
-    process has another start time. None when there is no such process, or only its corpse
-    (a zombie nobody reaped)."""
-    fields = stat_fields(pid)
-    if fields is None or fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    """When process ``pid`` started, in clock ticks since boot (``/proc/PID/stat``'s count on
+    Linux, which records written before psutil hold): a pid reused by another process has
+    another start time. None when there is no such process, or only its corpse."""
+    boot = psutil.boot_time()  # first: psutil before 7 reads a start against the boot time it read last
+    started = started_at(pid)
+    return None if started is None else round((started - boot) * _TICKS_PER_SECOND)
 
 
 def started_at(pid: int) -> float | None:
     """When process ``pid`` started (seconds since the epoch); None as ``start_ticks``."""
-    ticks = start_ticks(pid)
-    if ticks is None:
-        return None
     try:
-        with open("/proc/stat", "rb") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-    except (OSError, StopIteration):
+        process = psutil.Process(pid)
+        if process.status() in _ENDED:
+            return None
+        return process.create_time()
+    except psutil.Error:  # gone, or another user's process we may not read
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, state letter) of process ``pid``."""
-    fields = stat_fields(pid)
-    return None if fields is None else (int(fields[1]), fields[0].decode())
+def is_running(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` runs and is the one that started at ``start`` (``start_ticks``):
+    a pid freed and taken by another process since reads as not running."""
+    now = start_ticks(pid)
+    if now is None or start is None:
+        return False
+    return abs(now - start) <= PID_CLOCK_SLACK_SECONDS * _TICKS_PER_SECOND
 
 
 def alive(pid: int | None) -> bool:
     """True while process ``pid`` exists (None: no process to check, so True)."""
-    if pid is None:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, as another user's
-        return True
-    return True
+    return pid is None or psutil.pid_exists(pid)
 
 
 def kill_groups(pids) -> None:

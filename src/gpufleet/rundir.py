@@ -20,7 +20,6 @@ from gpufleet import _environ, _process
 from gpufleet.errors import ConfigError
 
 CANCEL_REQUEST = "cancel-requested"  # in a run's folder, beside its attempts
-PID_CLOCK_SLACK_SECONDS = 1.0  # /proc's start times count in clock ticks, file times finer
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,12 @@ class LauncherState(str, Enum):
 
 
 def runs_root(runs_dir: Path | None) -> Path:
-    """Where runs go: ``runs_dir``, else ``$GPUFLEET_HOME/runs``."""
+    """Where runs go: ``runs_dir``, else the config file's ``runs_dir``, else
+    ``$GPUFLEET_HOME/runs``."""
+    if runs_dir is None:
+        from gpufleet.options import user_defaults  # the caller's side: ranks are given theirs
+
+        runs_dir = user_defaults().get("runs_dir")
     return (runs_dir or _environ.gpufleet_home() / "runs").absolute()
 
 
@@ -219,7 +223,7 @@ def rank_groups(run: "RunDir", nprocs: int) -> list[int]:
         except OSError:
             continue
         started = _process.started_at(pid) if pid else None
-        if pid and (started is None or started <= written + PID_CLOCK_SLACK_SECONDS):
+        if pid and (started is None or started <= written + _process.PID_CLOCK_SLACK_SECONDS):
             groups.append(pid)
     return groups
 

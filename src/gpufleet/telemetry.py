@@ -18,7 +18,7 @@ rank's ``cuda:N``. Without nvidia-ml-py, NVML or a GPU, samples carry the host o
 The caller reads the file (a Ray node's is mirrored into the caller's run folder line by line):
 ``Follower`` for new samples (MLflow, ``tracking.py``), ``Latest`` and ``latest_in`` for each
 node's last sample (the live status line, ``gpufleet status``), ``describe_gpus`` to say it.
-Host numbers come from /proc (Linux), so psutil is not needed.
+Host numbers come from psutil, so they read the same on Linux and macOS.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
 
 from gpufleet import _environ
 from gpufleet.rundir import RunDir
@@ -84,25 +86,20 @@ def _nvml_index(entry: str, uuids: Sequence[str]) -> int | None:
 # ---------------------------------------------------------------------------- the host
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """The host's busy and total CPU time so far (clock ticks, /proc/stat); None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + fields[4]  # idle and iowait
-    return sum(fields) - idle, sum(fields)
+def cpu_times() -> tuple[float, float]:
+    """The host's busy and total CPU time so far, in seconds."""
+    times = psutil.cpu_times()._asdict()
+    idle = times.pop("idle") + times.pop("iowait", 0.0)  # waiting for I/O is idle too (Linux)
+    for twice in ("guest", "guest_nice"):  # Linux counts them in user and nice already
+        times.pop(twice, None)
+    busy = sum(times.values())
+    return busy, busy + idle
 
 
-def memory() -> tuple[int, int] | None:
+def memory() -> tuple[int, int]:
     """The host's memory in use (what is not available to new work) and in all, in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)}
-        return info["MemTotal"] - info["MemAvailable"], info["MemTotal"]
-    except (OSError, ValueError, KeyError):
-        return None
+    found = psutil.virtual_memory()
+    return found.total - found.available, found.total
 
 
 # ---------------------------------------------------------------------------- NVML
@@ -233,16 +230,14 @@ class Sampler:
         finally:
             os.close(fd)
 
-    def sample(self, last: tuple[int, int] | None,
-               gpus: list[tuple[int, int]]) -> tuple[dict, tuple[int, int] | None]:
+    def sample(self, last: tuple[float, float] | None,
+               gpus: list[tuple[int, int]]) -> tuple[dict, tuple[float, float]]:
         """One sample (CPU use since ``last``), and the CPU times now, for the next one."""
         sample: dict[str, Any] = {"time": time.time(), "node": self.node, "host": self.host}
         now = cpu_times()
-        if now is not None and last is not None and now[1] > last[1]:
+        if last is not None and now[1] > last[1]:
             sample["cpu_percent"] = round(100 * (now[0] - last[0]) / (now[1] - last[1]), 1)
-        used = memory()
-        if used is not None:
-            sample["memory_used_bytes"], sample["memory_total_bytes"] = used
+        sample["memory_used_bytes"], sample["memory_total_bytes"] = memory()
         sample["gpus"] = [_nvml.sample(index, cuda) for cuda, index in gpus]
         return sample, now
 

@@ -2,7 +2,7 @@
 
 Every process of a run stamps the instants it passes (wall-clock ``time.time()``): the caller
 when it starts the agent, collects the results and has torn down; each rank when its process
-started (from ``/proc``), when its payload was loaded, around ``runtime.setup()`` and its
+started, when its payload was loaded, around ``runtime.setup()`` and its
 function. The caller writes ``timings.json`` in the run folder; ``Timings`` turns the stamps
 into the run's critical path: each phase ends when the *slowest* rank reached its end, so the
 phases add up to the call's wall time.
@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpufleet import _process
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir
 
@@ -61,16 +62,15 @@ def stamps() -> dict[str, float]:
 
 
 def process_started() -> float | None:
-    """When this process was created, from /proc (Linux): its age (uptime minus its start in
-    clock ticks since boot) subtracted from now; None elsewhere."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+    """When this process was created; None where that cannot be read. On Linux its age (time
+    since boot less its start in clock ticks since boot) subtracted from now: psutil's creation
+    time adds a boot time cut to whole seconds, and so is up to a second early."""
+    if not hasattr(time, "CLOCK_BOOTTIME"):
+        return _process.started_at(os.getpid())
+    ticks = _process.start_ticks(os.getpid())
+    if ticks is None:
         return None
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 @dataclass
@@ -102,7 +102,7 @@ class Timings:
         passed = [(name, label) for name, label in PHASES if name in at]
         out, reached = [], None
         for name, label in passed:
-            # process start times from /proc have a clock tick's resolution: an instant
+            # process start times have a clock tick's resolution (Linux): an instant
             # that seems to come before the one it follows counts as no time at all
             now = at[name] if reached is None else max(reached, at[name])
             if reached is not None:

@@ -11,7 +11,6 @@ rank's process runs it too.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import os
 import platform
@@ -220,9 +219,12 @@ class RankNode:
 
 def interface_of(ip: str) -> str | None:
     """The network interface that holds ``ip`` (Linux, IPv4): where gloo and NCCL should
-    listen so that the other nodes reach them the way Ray does."""
-    if ":" in ip or not hasattr(socket, "if_nameindex"):
+    listen so that the other nodes reach them the way Ray does. None elsewhere: the ioctl's
+    number is Linux's."""
+    if ":" in ip or sys.platform != "linux":
         return None
+    import fcntl  # here only: the rest of this module is imported wherever gpufleet is
+
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:

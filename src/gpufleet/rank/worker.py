@@ -21,6 +21,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+
 from gpufleet import _environ, _process, _stacks, payload, runtime, telemetry, timings, tracking
 from gpufleet.errors import RankFailure
 from gpufleet.rank import warm
@@ -293,15 +295,11 @@ def _cuda_oom_summary(torch, exc: BaseException) -> str:
 
 def _host_memory() -> str:
     try:
-        with open("/proc/self/status") as f:
-            status = dict(line.split(":", 1) for line in f if ":" in line)
-        rss = int(status["VmRSS"].split()[0]) / 2**20
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f if ":" in line)
-        available = int(info["MemAvailable"].split()[0]) / 2**20
-        return f" [this rank used {rss:.2f} GiB; {available:.2f} GiB left on the host]"
-    except (OSError, KeyError, ValueError):
+        rss = psutil.Process().memory_info().rss / 2**30
+        available = psutil.virtual_memory().available / 2**30
+    except psutil.Error:  # the numbers are a help; the error must be reported without them
         return ""
+    return f" [this rank used {rss:.2f} GiB; {available:.2f} GiB left on the host]"
 
 
 def _result_failure(rank: int, value, exc: Exception) -> RankFailure:

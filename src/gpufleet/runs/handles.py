@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -211,8 +212,14 @@ def submit(call, cwd: Path | None = None, env: dict[str, str] | None = None, **f
 
 
 def _in_memory(data: bytes) -> int:
-    """A descriptor of an anonymous in-memory file holding ``data`` (no path, no disk)."""
-    fd = os.memfd_create("gpufleet-call-secrets")
+    """A descriptor of an anonymous in-memory file holding ``data`` (no path, no disk). Where
+    there is no ``memfd_create`` (macOS), an unlinked 0600 temporary file: in no folder by the
+    time the supervisor starts, though the system may page it to disk."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("gpufleet-call-secrets")
+    else:
+        fd, path = tempfile.mkstemp(prefix="gpufleet-call-secrets-")
+        os.unlink(path)
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]

@@ -307,7 +307,7 @@ def _set_aside(path: Path, size: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
-    except OSError:  # a file system without fallocate: write them
+    except (AttributeError, OSError):  # no fallocate (macOS), or a file system without it: write them
         os.write(fd, bytes(size))
     finally:
         os.close(fd)
@@ -507,7 +507,6 @@ def is_alive(supervisor: dict | None, created: float | None = None) -> bool:
         return created is None or time.time() - created < NAMING_SECONDS
     if supervisor.get("host") != socket.gethostname():
         return True  # another machine's process: trust the record
-    started = _process.start_ticks(supervisor["pid"])
-    return started is not None and started == supervisor["start"]
+    return _process.is_running(supervisor["pid"], supervisor["start"])
 
 

@@ -1,8 +1,10 @@
-"""The caller's eyes on a live run: each rank's pid, memory and progress, sampled from /proc
-and the run folder, and each rank's stacks on request.
+"""The caller's eyes on a live run: each rank's pid, memory and progress, sampled through
+psutil and the run folder, and each rank's stacks on request.
 
-Sampling is cheap (a few small /proc reads twice a second) and needs nothing from the ranks
-but their pid files, heartbeat files and faulthandler (set up by ``gpufleet.rank.worker``).
+Sampling is cheap (a few small reads twice a second) and needs nothing from the ranks but
+their pid files, heartbeat files and faulthandler (set up by ``gpufleet.rank.worker``). The
+OOM kill counters (cgroups, ``/proc/vmstat``) are Linux's: elsewhere there are none to read,
+and a SIGKILL is reported without that evidence.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+
 from gpufleet import _process, _stacks
 from gpufleet.rundir import RunDir, read_pid
 from gpufleet.watch import diagnosis
@@ -20,7 +24,6 @@ from gpufleet.watch import diagnosis
 SAMPLE_EVERY_S = 0.5
 STACKS_WAIT_S = 3.0  # how long ranks get to write their stacks
 NCCL_DUMP_WAIT_S = 2.0  # and their NCCL flight recorders to dump, after that
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 GIB = 2**30
 _V2_ROOT = next(
     (p for p in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")) if (p / "cgroup.procs").exists()),
@@ -196,19 +199,19 @@ def _request_nccl_dumps(prefix: Path, ranks) -> None:
 
 def _rss(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, ValueError, IndexError):
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:  # gone
         return None
 
 
 def _vmstat_oom_kills() -> int | None:
+    """The host's count of OOM kills (Linux); None where there is none to read."""
     try:
         with open("/proc/vmstat") as f:
             for line in f:
                 if line.startswith("oom_kill "):
                     return int(line.split()[1])
-    except OSError:
+    except (OSError, ValueError):  # no /proc (macOS), or no such line: no evidence
         pass
     return None
 
@@ -217,11 +220,11 @@ def _cgroup_oom_files(pid: int) -> list[Path]:
     """The file counting OOM kills of the process's own memory cgroup (cgroup v2
     ``memory.events``: kills of its processes by any OOM killer; v1 ``memory.oom_control``:
     kills under its own limit). Ancestors are left out: they count their other children's
-    kills too."""
+    kills too. None of them off Linux."""
     try:
         with open(f"/proc/{pid}/cgroup") as f:
             lines = f.read().splitlines()
-    except OSError:
+    except OSError:  # gone, or no /proc (macOS)
         return []
     files = []
     for line in lines:
