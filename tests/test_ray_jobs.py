@@ -132,7 +132,9 @@ print("values", train.distributed(21))
 
 
 def test_a_call_given_a_jobs_address_is_supervised_on_the_cluster(tmp_path, head):
-    done = run(tmp_path, FOREGROUND, "laptop", head)
+    laptop = machine(tmp_path, "laptop", head)
+    laptop.pop("MLFLOW_TRACKING_URI", None)  # the laptop's default store: its $GPUFLEET_HOME/mlflow.db
+    done = run(tmp_path, FOREGROUND, "laptop", head, env=laptop)
     assert done.returncode == 0, done.stderr
     assert "values [21, 42]" in done.stdout
     assert "[rank 0] token seen f0e1c8-kot" in done.stderr and "[rank 1] token seen f0e1c8-kot" in done.stderr
@@ -143,10 +145,12 @@ def test_a_call_given_a_jobs_address_is_supervised_on_the_cluster(tmp_path, head
     record = json.loads((mirrors[0] / "record.json").read_text())
     assert record["status"] == "succeeded" and record["cluster"]["address"] == head["address"]
     assert json.loads((on_head(head, mirrors[0].name) / "record.json").read_text())["status"] == "succeeded"
-    # the head tracked it in the submitter's MLflow store (its MLFLOW_TRACKING_URI travelled)
+    # the head tracked it in the store the submitter resolved (its own default), not the head's
     import mlflow
 
-    tracked = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"]).get_run(record["mlflow_run_id"])
+    store = Path(laptop["GPUFLEET_HOME"]).resolve() / "mlflow.db"
+    tracked = mlflow.MlflowClient(f"sqlite:///{store}").get_run(record["mlflow_run_id"])
+    assert not (head["home"] / "mlflow.db").exists()
     assert tracked.info.status == "FINISHED"
     assert any(key.startswith("system/node0/cpu") for key in tracked.data.metrics), tracked.data.metrics
     # env= values are not in the job's metadata, entrypoint or runtime_env, nor on either disk

@@ -16,6 +16,10 @@ PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must d
 UMASK = "GPUFLEET_UMASK"  # the caller's umask, for user code in the ranks
 ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first retry, ...
 TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run folder's tracking.json
+# Set by the user or the machine's operator: "0" (or false/off/no) switches MLflow tracking off
+# for every call, whatever its tracking= says.
+TRACKING = "GPUFLEET_TRACKING"
+_SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
 POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory between calls
 VIRTUAL_GPUS = "GPUFLEET_VIRTUAL_GPUS"  # a machine without GPUs schedules runs as if it had N
@@ -72,6 +76,22 @@ def run_dir() -> Path | None:
 
 def tracked() -> bool:
     return os.environ.get(TRACKED) == "1"
+
+
+def tracking_allowed() -> bool:
+    """False when ``GPUFLEET_TRACKING`` switches tracking off; True when it is unset, empty or
+    says on. Any other value is a ConfigError."""
+    value = os.environ.get(TRACKING, "").strip()
+    if not value:
+        return True
+    if value.lower() not in _SWITCH:
+        from gpufleet.errors import ConfigError
+
+        raise ConfigError(
+            f"{TRACKING}={value!r} must be one of 0, 1, true, false, on, off, yes, no "
+            f"(0, false, off or no switch MLflow tracking off; unset it to track as tracking= says)"
+        )
+    return _SWITCH[value.lower()]
 
 
 def pool_mode() -> str | None:

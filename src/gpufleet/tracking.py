@@ -1,33 +1,47 @@
 """MLflow tracking: one MLflow run per ``.distributed()`` call, created by the caller and shared
-with every rank; the nodes' system metrics (``telemetry.py``) logged into it; ``log_metrics``
-for ranks.
+with every rank; the nodes' system metrics (``telemetry.py``) logged into it; the run folder's
+logs, timings and error attached to it when the call ends; ``log_metrics`` for ranks; the UI
+(``gpufleet ui``). docs/tracking.md has the user's view.
 
 MLflow is optional (``pip install gpufleet[mlflow]``) and imported only when tracking is on:
 ``tracking=None`` (the default) tracks when MLflow is installed, ``True`` requires it,
-``False`` never tracks. The store is MLflow's own default (``sqlite:///mlflow.db`` in the
-working directory) unless ``MLFLOW_TRACKING_URI`` says otherwise, so ``mlflow ui`` shows every
-run with no server. Every rank gets ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
+``False`` never tracks; ``GPUFLEET_TRACKING=0`` is the operator's switch and turns tracking off
+for every call, ``tracking=True`` included. The store is the one MLflow was told to use
+(``MLFLOW_TRACKING_URI``, or ``mlflow.set_tracking_uri`` in the caller), else
+``$GPUFLEET_HOME/mlflow.db`` with its artifacts in ``$GPUFLEET_HOME/mlartifacts``: never the
+working folder (MLflow's own default), so every call of a machine lands in one store, the one
+``gpufleet ui`` serves. Every rank gets ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
 ``MLFLOW_RUN_ID``: ``mlflow.start_run()``, Hugging Face's ``report_to="mlflow"`` and anything
 else that honours them log into the call's run.
+
+Past the usual module size because everything that imports MLflow lives here, so the optional
+dependency has one door; the attached files and the UI are the sections at the end.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import importlib.util
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, runtime, telemetry
+from gpufleet import _environ, _process, runtime, telemetry
 from gpufleet.errors import ConfigError
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import RunDir, ensure_private_dir
 
 DEFAULT_EXPERIMENT = "gpufleet"
 CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
@@ -36,6 +50,15 @@ FINISH_WAIT_S = 10.0  # how long ending the run may hold up the call's return
 SYSTEM_METRICS_EVERY_S = 10.0  # how often the nodes' samples are logged into the run
 PROGRESS_EVERY_S = 0.5  # how often rank 0 may replace progress.json (log_metrics)
 _REDUCTIONS = (None, "mean", "max")
+STORE_FILE = "mlflow.db"  # the default store, in $GPUFLEET_HOME
+ARTIFACT_ROOT = "mlartifacts"  # beside a local SQLite store: the artifacts of the experiments gpufleet creates
+ARTIFACTS = "gpufleet"  # the folder of a call's artifacts that holds its run folder's files
+ARTIFACTS_MAX_BYTES = 100 * 2**20  # a call's attached files together; what does not fit is left out
+ARTIFACT_MAX_BYTES = 20 * 2**20  # one file: a longer one is attached as its last 20 MiB
+# What of an attempt's folder is attached, and nothing else: payloads, results (code and data)
+# and tracking.json (a tracking URI may hold credentials) stay in the run folder.
+ATTEMPT_FILES = ("timings.json", "agent.log", "stacks/rank-*.txt", "logs/rank-*.log")
+UI_STOP_WAIT_S = 10.0  # for the UI's server to stop after Ctrl-C before it is killed
 
 
 class Tracking:
@@ -53,17 +76,16 @@ class Tracking:
     def start(cls, name: str, params: dict[str, Any], joined: str | None) -> "Tracking":
         """Create the call's run (or join ``joined``, the caller's own run) and start logging
         the nodes' system metrics into it."""
-        import mlflow
         from mlflow import MlflowClient
 
-        uri = mlflow.get_tracking_uri()
-        _private_store(uri)
+        uri = store_uri()
+        artifacts = _prepare_store(uri)
         client = MlflowClient(uri)
         if joined:  # the caller's own run: log into it, leave its status to its owner
             experiment_id = client.get_run(joined).info.experiment_id
             tracking = cls(client, joined, experiment_id, uri, owned=False)
         else:
-            experiment_id = _experiment(client)
+            experiment_id = _experiment(client, artifacts)
             run = client.create_run(experiment_id, run_name=name, tags={"gpufleet.function": name})
             tracking = cls(client, run.info.run_id, experiment_id, uri, owned=True)
             for key, value in params.items():
@@ -83,14 +105,18 @@ class Tracking:
     def attempt(self, number: int) -> None:
         _quietly(self.client.set_tag, self.run_id, "gpufleet.attempts", str(number + 1))
 
-    def finish(self, status: str) -> None:
-        """FINISHED, FAILED or KILLED, the system metrics not logged yet first; bounded in time
-        and never raising: the call's outcome must not depend on its tracking."""
+    def finish(self, status: str, folder: Path | None = None, error: BaseException | None = None) -> None:
+        """FINISHED, FAILED or KILLED, the system metrics not logged yet first, then the files
+        of the run's ``folder`` and its ``error`` attached (``attach``); bounded in time and
+        never raising: the call's outcome must not depend on its tracking. The caller's own
+        run is left as it is: its status and its artifacts are its owner's."""
 
         def end() -> None:
             self.system.finish()
             if self.owned:
                 _quietly(self.client.set_terminated, self.run_id, status)
+                if folder is not None:
+                    _quietly(attach, self.client, self.run_id, folder, error)
 
         ender = threading.Thread(target=end, name="gpufleet-tracking-end", daemon=True)
         ender.start()
@@ -105,7 +131,8 @@ class Tracking:
             host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
             return f": {parts.scheme}://{host}{parts.path.rstrip('/')}/{path}"
         if parts.scheme in ("sqlite", "file", ""):
-            return f" (see it: mlflow ui --backend-store-uri {self.uri}, then {path})"
+            ui = "gpufleet ui" if self.uri == default_store_uri() else f"MLFLOW_TRACKING_URI={self.uri} gpufleet ui"
+            return f" (see it: {ui}, then http://127.0.0.1:5000/{path})"
         return f" in experiment {self.experiment_id}"
 
 
@@ -174,14 +201,46 @@ class SystemMetrics:
             self._step += 1
 
 
-def _private_store(uri: str) -> None:
+def store_uri() -> str:
+    """The store calls track into: the one MLflow was told to use (``mlflow.set_tracking_uri``
+    in this process, else MLFLOW_TRACKING_URI), else ``$GPUFLEET_HOME/mlflow.db``; never
+    MLflow's own default, a file in whatever folder the process runs in."""
+    service = sys.modules.get("mlflow.tracking._tracking_service.utils")  # set_tracking_uri's
+    return getattr(service, "_tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI") or default_store_uri()
+
+
+def default_store_uri() -> str:
+    return f"sqlite:///{_environ.gpufleet_home() / STORE_FILE}"
+
+
+def local_store(uri: str) -> Path | None:
+    """The file of a local SQLite store; None for any other store."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme != "sqlite" or not parts.path or parts.path == "/:memory:":
+        return None
+    return Path(urllib.parse.unquote(parts.path[1:] if parts.netloc == "" else parts.path)).absolute()
+
+
+def _prepare_store(uri: str) -> Path | None:
+    """A local SQLite store made ready: $GPUFLEET_HOME private (the default store's folder),
+    the file created private, the artifacts' folder beside it (returned; None for a store
+    that is not a local file, whose experiments keep MLflow's artifact locations)."""
+    path = local_store(uri)
+    if path is None:
+        return None
+    if uri == default_store_uri():
+        ensure_private_dir(path.parent)
+    _private_store(path)
+    artifacts = path.parent / ARTIFACT_ROOT
+    with contextlib.suppress(OSError):  # there already; or no folder, which MLflow says better
+        artifacts.mkdir(mode=0o700)
+    return artifacts
+
+
+def _private_store(path: Path) -> None:
     """A local SQLite store that gpufleet is about to create is created private (0600), as
     run folders are: it holds every run's params and metrics. One that exists is the user's
     choice; only one that others can write to is worth a warning."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme != "sqlite" or not parts.path or parts.path == "/:memory:":
-        return
-    path = Path(urllib.parse.unquote(parts.path[1:] if parts.netloc == "" else parts.path))
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except FileExistsError:
@@ -206,7 +265,7 @@ class PendingTracking:
         self._thread: threading.Thread | None = None
         self._found: Tracking | None = None
         self._error: BaseException | None = None
-        self._closed: str | None = None  # the final status, once the call ended
+        self._closed: tuple | None = None  # finish()'s arguments, once the call ended
         self._lock = threading.Lock()
         self._warned = False
         self._telemetry: list[Path] = []  # each attempt's samples, for the run's system metrics
@@ -229,7 +288,7 @@ class PendingTracking:
             for path in self._telemetry:
                 found.system.follow(path)
         if closed is not None:  # the call ended first
-            found.finish(closed)
+            found.finish(*closed)
 
     def ready(self) -> bool:
         """Creation has ended (with a run or an error)."""
@@ -259,14 +318,15 @@ class PendingTracking:
             if self._found is not None:
                 self._found.system.follow(path)
 
-    def close(self, status: str) -> None:
-        """The call ended with ``status``: end the run now, or as soon as it exists, waiting
-        up to FINISH_WAIT_S for that (the process may exit right after, with the thread)."""
+    def close(self, status: str, folder: Path | None = None, error: BaseException | None = None) -> None:
+        """The call ended with ``status`` (and ``error``): end the run and attach the run
+        ``folder``'s files now, or as soon as the run exists, waiting up to FINISH_WAIT_S for
+        that (the process may exit right after, with the thread)."""
         with self._lock:
-            self._closed = status
+            self._closed = (status, folder, error)
             found = self._found
         if found is not None:
-            found.finish(status)
+            found.finish(status, folder, error)
         elif self._thread is not None:
             self._thread.join(FINISH_WAIT_S)  # its creator ends it as soon as it exists
 
@@ -286,7 +346,9 @@ def _callers_run() -> str | None:
 
 
 def _wanted(setting: bool | None) -> bool:
-    if setting is False:
+    """Whether a call with ``tracking=setting`` is tracked. GPUFLEET_TRACKING=0 is the
+    operator's switch: no call is, ``tracking=True`` or not (a bad value is a ConfigError)."""
+    if not _environ.tracking_allowed() or setting is False:
         return False
     if importlib.util.find_spec("mlflow") is None:
         if setting:
@@ -318,17 +380,19 @@ def join_in_rank(path) -> None:
     os.environ.update(json.loads(path.read_text()))
 
 
-def _experiment(client: Any) -> str:
+def _experiment(client: Any, artifacts: Path | None) -> str:
     """MLFLOW_EXPERIMENT_ID, else the experiment MLFLOW_EXPERIMENT_NAME names (created if
-    need be), else "gpufleet"."""
+    need be, its artifacts in ``artifacts``: MLflow's default is the working folder), else
+    "gpufleet"."""
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         return os.environ["MLFLOW_EXPERIMENT_ID"]
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_EXPERIMENT
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
+    location = (artifacts / urllib.parse.quote(name, safe="")).as_uri() if artifacts else None
     try:
-        return client.create_experiment(name)
+        return client.create_experiment(name, artifact_location=location)
     except Exception:  # another call created it meanwhile
         found = client.get_experiment_by_name(name)
         if found is None:
@@ -463,3 +527,123 @@ def status_of(error: BaseException | None) -> str:
     if isinstance(error, (KeyboardInterrupt, RunCancelledError, RunPreemptedError, RunTimeoutError)):
         return "KILLED"
     return "FAILED"
+
+
+# -- the run folder's files, attached when the call ends -----------------------------------
+
+
+def attach(client: Any, run_id: str, folder: Path, error: BaseException | None) -> None:
+    """Attach to the MLflow run, under ``gpufleet/``, the call's error (``error.txt``, as raised)
+    and the files of its run ``folder`` a user reads to see how it went: the supervisor's log
+    and each attempt's rank logs, stacks, timings and agent log (``ATTEMPT_FILES``), newest
+    attempt first. A file past ARTIFACT_MAX_BYTES goes as its end; past ARTIFACTS_MAX_BYTES
+    in all, the rest is left out and named in one line."""
+    budget, left_out = ARTIFACTS_MAX_BYTES, []
+    with tempfile.TemporaryDirectory(prefix="gpufleet-artifacts-") as scratch:
+        for path, where in _attachments(folder, error, Path(scratch)):
+            size = path.stat().st_size
+            if size > budget:
+                left_out.append(f"{where}/{path.name}".lstrip("/"))
+                continue
+            budget -= size
+            client.log_artifact(run_id, str(path), f"{ARTIFACTS}/{where}".rstrip("/"))
+    if left_out:
+        print(f"gpufleet: MLflow: not attached, past the {ARTIFACTS_MAX_BYTES >> 20} MiB a call "
+              f"attaches: {', '.join(left_out)} (they stay in {folder})", file=sys.stderr, flush=True)
+
+
+def _attachments(folder: Path, error: BaseException | None, scratch: Path) -> Iterator[tuple[Path, str]]:
+    """What ``attach`` sends: each file (or a copy of its end) and its folder in the run folder."""
+    if error is not None:
+        text = scratch / "error.txt"
+        write_private(text, "".join(traceback.format_exception_only(type(error), error)).encode())
+        yield text, ""
+    for path, where in run_files(folder):
+        yield (path if path.stat().st_size <= ARTIFACT_MAX_BYTES else _end_of(path, scratch / where)), where
+
+
+def run_files(folder: Path) -> list[tuple[Path, str]]:
+    """The files of a run folder that are attached, each with its folder in the run folder.
+    Named, never swept; links are left out (a file is attached for what it is), and so are
+    stacks files that hold no dump (only their header line)."""
+    found = [(folder / "supervisor.log", "")]
+    for attempt in sorted(folder.glob("attempt-*"), key=_attempt_number, reverse=True):
+        for pattern in ATTEMPT_FILES:
+            found += [(path, path.parent.relative_to(folder).as_posix()) for path in sorted(attempt.glob(pattern))]
+    return [(path, where) for path, where in found if path.is_file() and not path.is_symlink()
+            and not (where.endswith("stacks") and path.read_bytes().count(b"\n") <= 1)]
+
+
+def _attempt_number(path: Path) -> int:
+    number = path.name.removeprefix("attempt-")
+    return int(number) if number.isdigit() else -1
+
+
+def _end_of(path: Path, into: Path) -> Path:
+    """A copy of the last ARTIFACT_MAX_BYTES of ``path`` (its end says how the run ended),
+    under the same name in ``into``, after a line that says what was cut."""
+    into.mkdir(parents=True, exist_ok=True)
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(size - ARTIFACT_MAX_BYTES)
+        data = f.read(ARTIFACT_MAX_BYTES)
+    copy = into / path.name
+    copy.write_bytes(f"[gpufleet: the first {size - len(data)} of its {size} bytes are left out: "
+                     f"the whole file is {path}]\n".encode() + data)
+    return copy
+
+
+# -- gpufleet ui ------------------------------------------------------------------------------
+
+
+def serve_ui(host: str = "127.0.0.1", port: int = 5000) -> int:
+    """``gpufleet ui``: MLflow's UI and REST API on the store calls track into (``store_uri()``)
+    at http://HOST:PORT, in the foreground until Ctrl-C (then 130) or until the server exits
+    (then its exit code). Loopback only unless ``host`` says otherwise: the store holds every
+    run's parameters, metrics and logs. The server and its workers run in a process group of
+    their own, stopped as a whole when this returns (and sent SIGTERM if this process dies)."""
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("gpufleet ui needs MLflow: pip install 'gpufleet[mlflow]'")
+    uri = store_uri()
+    argv = _ui_command(uri, host, port)
+    home = _environ.gpufleet_home()
+    ensure_private_dir(home)  # the server's working folder: whatever MLflow writes there stays ours
+    shown = local_store(uri) or urllib.parse.urlsplit(uri).scheme + " store"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+    print(f"gpufleet: MLflow UI of {shown} at {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    # MLflow's job runner (GenAI evaluation jobs: seven more processes, half a minute more to
+    # start) is not needed to look at runs; MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true brings it
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **_environ.snapshot()}
+    server = subprocess.Popen(argv, cwd=home, env=env, start_new_session=True, preexec_fn=functools.partial(
+        _process.die_with_parent, signal.SIGTERM, os.getpid()))
+    try:
+        return server.wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _stop_server(server)
+
+
+def _ui_command(uri: str, host: str, port: int) -> list[str]:
+    """``mlflow server`` on ``uri``, its proxied artifacts beside a local store."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme in ("http", "https", "databricks"):  # named without its credentials
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI names an MLflow server ({parts.scheme}://{parts.hostname or ''}): "
+            "open it in a browser; gpufleet ui serves a store of this machine"
+        )
+    argv = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+            "--host", host, "--port", str(port), "--workers", "1"]
+    artifacts = _prepare_store(uri)
+    return argv + (["--artifacts-destination", str(artifacts)] if artifacts is not None else [])
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    """Stop the UI's process group as Ctrl-C would (SIGINT), then kill what is left of it."""
+    _process.kill_group(server.pid, signal.SIGINT)
+    try:
+        server.wait(UI_STOP_WAIT_S)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):  # not down in time, or a second Ctrl-C
+        pass
+    _process.kill_group(server.pid, signal.SIGKILL)
+    server.wait()

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from gpufleet import _environ, tracking
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.payload import load_private, write_private
 from gpufleet.rundir import RunDir
@@ -140,12 +141,23 @@ def _package(scratch: Path, call, record: Record, address: str, job: str,
         write_private(package / CALL_FILE, cloudpickle.dumps(call))
     finally:
         call.options = options
-    supervisor = {k: v for k in SUPERVISOR_VARIABLES if (v := os.environ.get(k))}
+    supervisor = _supervisor_variables()
     write_private(package / SECRETS_FILE, json.dumps({**options.secrets(), "supervisor": supervisor}).encode())
     write_private(package / ORIGIN_FILE, json.dumps({
         "run_id": record.id, "address": address, "job": job, "argv": argv, **origin(),
     }).encode())
     return package
+
+
+def _supervisor_variables() -> dict[str, str]:
+    """What the job's supervisor takes from this process: its MLflow settings, the store it
+    would track into (its default too: the submitter's store is the run's, docs/tracking.md),
+    and GPUFLEET_TRACKING when it switches tracking off."""
+    found = {k: v for k in SUPERVISOR_VARIABLES if (v := os.environ.get(k))}
+    found["MLFLOW_TRACKING_URI"] = tracking.store_uri()
+    if not _environ.tracking_allowed():
+        found[_environ.TRACKING] = "0"
+    return found
 
 
 @contextlib.contextmanager

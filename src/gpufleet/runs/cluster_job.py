@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, telemetry
+from gpufleet import _environ, telemetry, tracking
 from gpufleet.errors import GpufleetError, RunCancelledError
 from gpufleet.launchers import place
 from gpufleet.launchers.ray import check_submitter
@@ -94,12 +94,22 @@ def _load(package: Path):
     if secrets_file.exists():  # read into memory, then gone from the node's disk
         secrets.update(json.loads(secrets_file.read_text()))
         secrets_file.unlink()
-    os.environ.update(secrets.pop("supervisor"))  # the submitter's MLflow settings
-    # MLflow's default store is a file in the working directory, which here is the job's copy,
-    # deleted with it: the head's gpufleet home keeps the runs' store instead
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_environ.gpufleet_home() / 'mlflow.db'}")
+    os.environ.update(secrets.pop("supervisor"))  # the submitter's MLflow settings and store
+    _store_of_this_node()
     call = cloudpickle.loads((package / CALL_FILE).read_bytes())
     return call, secrets
+
+
+def _store_of_this_node() -> None:
+    """The submitter's store is the run's, unless it is a file of another machine (its folder
+    is not on this one): then the head's own default store, ``$GPUFLEET_HOME/mlflow.db``, said
+    in the job's log."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    path = tracking.local_store(uri) if uri else None
+    if path is not None and not path.parent.is_dir():
+        del os.environ["MLFLOW_TRACKING_URI"]
+        print(f"gpufleet: the MLflow store {path} is not on the cluster's head; this run is tracked "
+              f"in the head's {tracking.local_store(tracking.default_store_uri())}", flush=True)
 
 
 def _mirror_record(record: Record, stop: threading.Event) -> None:

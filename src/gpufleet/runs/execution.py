@@ -47,6 +47,7 @@ class Call:
                 function: str, **more) -> "Call":
         """Check everything that can be checked before a process starts; ConfigError or
         PayloadError otherwise."""
+        _environ.tracking_allowed()  # a bad GPUFLEET_TRACKING fails here, before a record exists
         if options.remote:  # bad input fails before connecting to (or starting) a Ray cluster
             payload = dump_call(fn, args, kwargs)
             placement = launchers.place(options)
@@ -116,8 +117,8 @@ class _Execution:
                 with self._bookkeeping("its error"):
                     self.record.keep(outcome)
                 try:
-                    if self.tracking.enabled:
-                        self.tracking.close(tracking_status(outcome))
+                    if self.tracking.enabled:  # the run's logs, timings and error go with it
+                        self.tracking.close(tracking_status(outcome), self.record.path, outcome)
                 finally:
                     with self._bookkeeping("its final status"):
                         if self.tracking.run_id:
