@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
 
 from gpufleet import _environ
+from gpufleet._log import log
 from gpufleet.rundir import RunDir
 
 SAMPLE_EVERY_S = 5.0  # between two samples on a node (the live line's GPU part is this fresh)
@@ -211,7 +211,7 @@ class Sampler:
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         except OSError as exc:  # the run goes on without telemetry; say it once, in the log
-            print(f"gpufleet: no telemetry for this node: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"no telemetry for this node: {exc}")
             return
         try:
             last = cpu_times()
@@ -225,8 +225,7 @@ class Sampler:
                     return
                 wait = SAMPLE_EVERY_S
         except Exception as exc:  # a sampler must never disturb the rank: one line, then quiet
-            print(f"gpufleet: telemetry stopped: {type(exc).__name__}: {exc}", file=sys.stderr,
-                  flush=True)
+            log.warning(f"telemetry stopped: {type(exc).__name__}: {exc}")
         finally:
             os.close(fd)
 

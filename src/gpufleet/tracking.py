@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, _process, runtime, telemetry
+from gpufleet._log import log
 from gpufleet.errors import ConfigError
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir, ensure_private_dir
@@ -91,7 +92,7 @@ class Tracking:
             for key, value in params.items():
                 client.log_param(tracking.run_id, key, value)
         tracking.system.start()
-        print(f"gpufleet: MLflow run {tracking.run_id}{tracking.where()}", file=sys.stderr, flush=True)
+        log.info(f"MLflow run {tracking.run_id}{tracking.where()}")
         return tracking
 
     def env(self) -> dict[str, str]:
@@ -194,8 +195,7 @@ class SystemMetrics:
             except Exception as exc:  # a store that fails must not fail the run: said once
                 if not self._failed:
                     self._failed = True
-                    print(f"gpufleet: MLflow: system metrics not logged: {type(exc).__name__}: {exc}",
-                          file=sys.stderr, flush=True)
+                    log.warning(f"MLflow: system metrics not logged: {type(exc).__name__}: {exc}")
                 return
             self._tagged.update(tags)
             self._step += 1
@@ -245,8 +245,8 @@ def _private_store(path: Path) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except FileExistsError:
         if path.stat().st_mode & 0o022:
-            print(f"gpufleet: the MLflow store {path} can be written by other users; "
-                  f"run `chmod 600 {path}`", file=sys.stderr, flush=True)
+            log.warning(f"the MLflow store {path} can be written by other users; "
+                        f"run `chmod 600 {path}`")
     except OSError:  # no such folder, say: MLflow's own error says it better
         return
 
@@ -332,7 +332,7 @@ class PendingTracking:
 
     def _warn(self, why: str) -> None:
         if not self._warned:
-            print(f"gpufleet: this call is not tracked in MLflow ({why})", file=sys.stderr, flush=True)
+            log.info(f"this call is not tracked in MLflow ({why})")
             self._warned = True
 
 
@@ -364,7 +364,7 @@ def _quietly(action, *args) -> None:
     try:
         action(*args)
     except Exception as exc:  # a store that fails must not fail the run
-        print(f"gpufleet: MLflow: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        log.warning(f"MLflow: {type(exc).__name__}: {exc}")
 
 
 def join_in_rank(path) -> None:
@@ -373,7 +373,7 @@ def join_in_rank(path) -> None:
     deadline = time.monotonic() + RANK_WAIT_S
     while not path.exists():
         if time.monotonic() > deadline:
-            print(f"gpufleet: no MLflow run arrived within {RANK_WAIT_S:g} s; not tracked", flush=True)
+            log.warning(f"no MLflow run arrived within {RANK_WAIT_S:g} s; not tracked")
             return
         runtime.heartbeat()
         time.sleep(0.01)
@@ -486,8 +486,7 @@ class _ProgressNotes:
             write_private(path, data)
         except OSError as exc:  # the status line goes without; training does not stop for it
             if not self._failed:
-                print(f"gpufleet: progress not written to {path}: {exc}", file=sys.stderr,
-                      flush=True)
+                log.warning(f"progress not written to {path}: {exc}")
                 self._failed = True
 
 
@@ -548,8 +547,8 @@ def attach(client: Any, run_id: str, folder: Path, error: BaseException | None) 
             budget -= size
             client.log_artifact(run_id, str(path), f"{ARTIFACTS}/{where}".rstrip("/"))
     if left_out:
-        print(f"gpufleet: MLflow: not attached, past the {ARTIFACTS_MAX_BYTES >> 20} MiB a call "
-              f"attaches: {', '.join(left_out)} (they stay in {folder})", file=sys.stderr, flush=True)
+        log.warning(f"MLflow: not attached, past the {ARTIFACTS_MAX_BYTES >> 20} MiB a call "
+                    f"attaches: {', '.join(left_out)} (they stay in {folder})")
 
 
 def _attachments(folder: Path, error: BaseException | None, scratch: Path) -> Iterator[tuple[Path, str]]:
@@ -610,7 +609,7 @@ def serve_ui(host: str = "127.0.0.1", port: int = 5000) -> int:
     ensure_private_dir(home)  # the server's working folder: whatever MLflow writes there stays ours
     shown = local_store(uri) or urllib.parse.urlsplit(uri).scheme + " store"
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/"
-    print(f"gpufleet: MLflow UI of {shown} at {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    log.info(f"MLflow UI of {shown} at {url} (Ctrl-C to stop)")
     # MLflow's job runner (GenAI evaluation jobs: seven more processes, half a minute more to
     # start) is not needed to look at runs; MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true brings it
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **_environ.snapshot()}

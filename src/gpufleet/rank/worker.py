@@ -24,6 +24,7 @@ from typing import Any
 import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
 
 from gpufleet import _environ, _process, _stacks, payload, runtime, telemetry, timings, tracking
+from gpufleet._log import log
 from gpufleet.errors import RankFailure
 from gpufleet.rank import warm
 from gpufleet.rundir import RunDir, check_private_dir
@@ -123,7 +124,7 @@ def _report_unwritten_result(run: RunDir, rank: int, size: int, exc: OSError) ->
         summary=f"its result ({size / 2**20:.1f} MiB) could not be written to {run.result(rank)}: "
         f"{exc.strerror or exc}{payload.free_space_note(run.path, exc.errno == errno.ENOSPC)}",
     )
-    print(f"gpufleet: {failure.summary}", file=sys.stderr, flush=True)
+    log.error(failure.summary)
     try:
         payload.write_private(run.result(rank), payload.dump_result(("error", failure)))
     except OSError:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpufleet import _environ, tracking
+from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.payload import load_private, write_private
 from gpufleet.rundir import RunDir
@@ -86,7 +87,7 @@ def submit(call, address: str, argv: list[str] | None = None) -> ClusterRun:
             package = _package(Path(scratch), call, record, address, job, argv)
             runtime_env, notes = job_runtime_env(call.options, Path.cwd(), package)
             for note in notes:
-                print(f"gpufleet: {note}", file=sys.stderr, flush=True)
+                log.info(note)
             _submit_job(
                 client, entrypoint=f"python -m gpufleet.runs.cluster_job {package.name}",
                 submission_id=job, runtime_env=runtime_env, entrypoint_num_cpus=0,
@@ -308,7 +309,7 @@ class ClusterRun(Run):
         try:
             self.logs(follow=True, out=sys.stderr)
         except KeyboardInterrupt:
-            print(f"gpufleet: cancelling run {self.id} on the cluster", file=sys.stderr, flush=True)
+            log.warning(f"cancelling run {self.id} on the cluster")
             self.cancel()
             raise
         return self.result()

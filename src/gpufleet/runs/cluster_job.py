@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, telemetry, tracking
+from gpufleet._log import log
 from gpufleet.errors import GpufleetError, RunCancelledError
 from gpufleet.launchers import place
 from gpufleet.launchers.ray import check_submitter
@@ -108,8 +109,8 @@ def _store_of_this_node() -> None:
     path = tracking.local_store(uri) if uri else None
     if path is not None and not path.parent.is_dir():
         del os.environ["MLFLOW_TRACKING_URI"]
-        print(f"gpufleet: the MLflow store {path} is not on the cluster's head; this run is tracked "
-              f"in the head's {tracking.local_store(tracking.default_store_uri())}", flush=True)
+        log.warning(f"the MLflow store {path} is not on the cluster's head; this run is tracked "
+                    f"in the head's {tracking.local_store(tracking.default_store_uri())}")
 
 
 def _mirror_record(record: Record, stop: threading.Event) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, launchers
+from gpufleet._log import log
 from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError, RunTimeoutError
 from gpufleet.launchers import devices, warm
 from gpufleet.launchers.base import Launcher
@@ -71,7 +71,7 @@ def execute(call: Call, record: Record, on_attempt: Callable[[Path], None] | Non
     """Run the call to its end in this process; the record says how it went. ``ticket``: its
     place in line for devices, taken when it was submitted."""
     if call.placement.device == "cpu":
-        print(f"gpufleet: {call.placement.describe()}", file=sys.stderr, flush=True)
+        log.info(call.placement.describe())
     return _Execution(call, record, on_attempt, ticket).run()
 
 
@@ -132,9 +132,8 @@ class _Execution:
         try:
             yield
         except OSError as exc:
-            print(f"gpufleet: could not keep {what} in {self.record.path}: "
-                  f"{exc.strerror or exc}{free_space_note(self.record.path, exc.errno == errno.ENOSPC)}",
-                  file=sys.stderr, flush=True)
+            log.warning(f"could not keep {what} in {self.record.path}: "
+                        f"{exc.strerror or exc}{free_space_note(self.record.path, exc.errno == errno.ENOSPC)}")
 
     def _attempts(self) -> list:
         earlier: list[RunFailedError] = []
@@ -148,11 +147,8 @@ class _Execution:
                         raise
                     raise error.after(earlier) from error.__cause__
                 earlier.append(error)
-                print(
-                    f"gpufleet: attempt {len(earlier)} of {self.opts.max_retries + 1} failed "
-                    f"({error.root_line()}); starting every rank again",
-                    file=sys.stderr, flush=True,
-                )
+                log.warning(f"attempt {len(earlier)} of {self.opts.max_retries + 1} failed "
+                            f"({error.root_line()}); starting every rank again")
 
     def _attempt(self, number: int, called_at: float) -> list:
         """One attempt: a folder of its own, its plan, its job, watched to its end."""
@@ -198,10 +194,7 @@ class _Execution:
         warm.give_up_devices(holders)  # this process's own idle pools would hold them forever
         held = f" (held by {', '.join(sorted(set(holders)))})" if holders else ""
         n = self.call.placement.nprocs
-        print(
-            f"gpufleet: {self.record.id} is queued: waiting for {n} free GPU{'s' if n > 1 else ''}{held}",
-            file=sys.stderr, flush=True,
-        )
+        log.info(f"{self.record.id} is queued: waiting for {n} free GPU{'s' if n > 1 else ''}{held}")
 
     def begin(self, device_ids: tuple[str, ...] = ()) -> float | None:
         """The run starts running: the timeout's clock starts, waiting for devices excluded."""
