@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Collection, Container
 
-import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+import psutil
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36

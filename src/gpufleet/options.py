@@ -297,7 +297,7 @@ OPTIONS = _options(
     Option("show_timings", "print where each call's time went (every run folder keeps "
            "timings.json either way)", "flag", {"type": "boolean"}, config=True),
     Option("tracking", "MLflow: one run per call, shared by every rank (default: when MLflow is "
-           "installed; on: require it; off: never)", "switch", {"type": ["boolean", "null"]},
+           "installed; on: require it; off: never; GPUFLEET_TRACKING=0 turns it off everywhere)", "switch", {"type": ["boolean", "null"]},
            config=True),
     Option("warm", "keep the ranks alive after a call, so the next call ships only its payload "
            "(a gpufleet.pool)", "flag", {"type": "boolean"}, cli=False, file=False),

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+import psutil
 
 from gpufleet import _environ
 from gpufleet._log import log

@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+import psutil
 
 from gpufleet import _environ, _process, _stacks, payload, runtime, telemetry, timings, tracking
 from gpufleet._log import log

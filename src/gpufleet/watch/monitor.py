@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil  # type: ignore[import-untyped]  # no stubs, no py.typed
+import psutil
 
 from gpufleet import _process, _stacks
 from gpufleet.rundir import RunDir, read_pid
