@@ -52,12 +52,7 @@ host = [(l.get("cpu_percent"), round(l.get("memory_used_bytes", 0) / 2**30, 1)) 
 print(f"{'host samples through psutil (cpu %, memory used)':58} {len(lines)} samples, last {host[-1] if host else None}")
 PY
 python - <<'PY'
-import logging, io, gpufleet
 from gpufleet import distributed, runtime
-
-seen = io.StringIO()
-logger = logging.getLogger("gpufleet")
-logger.handlers[:] = [logging.StreamHandler(seen)]
 
 @distributed(timeout="3m", hang_timeout="10m", tracking=False)
 def device_name():
@@ -68,5 +63,4 @@ def device_name():
 label = '@distributed(timeout="3m") on every GPU'
 print(f"{label:58} {device_name.distributed()}")
 print(f"{'config.yaml logs default reached the decorator':58} logs={device_name.run_options.logs!r}")
-print(f"{'messages redirected through logging':58} {seen.getvalue().strip().splitlines()[:1]}")
 PY
