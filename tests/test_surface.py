@@ -31,7 +31,8 @@ def test_run_handle_and_command_line():
     from gpufleet.cli import _parser
 
     commands = _parser()._subparsers._group_actions[0].choices
-    assert sorted(commands) == ["cancel", "logs", "prune", "run", "runs", "status", "submit"]
+    assert sorted(commands) == ["cancel", "completion", "logs", "prune", "run", "runs", "schema", "status",
+                               "submit", "ui"]
 
 
 def test_runtime_functions():

@@ -179,7 +179,7 @@ def test_a_ray_job_gets_the_submitters_store_and_switch_unless_the_store_is_anot
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////no/such/laptop/.gpufleet/mlflow.db")
     cluster_job._store_of_this_node()
     assert tracking.store_uri() == store_of(home), "another machine's file: the head's own store"
-    assert "/no/such/laptop/.gpufleet/mlflow.db is not on the cluster's head" in capsys.readouterr().out
+    assert "/no/such/laptop/.gpufleet/mlflow.db is not on the cluster's head" in capsys.readouterr().err
 
 
 def test_attached_files_are_bounded_and_never_links_or_payloads(home, tmp_path, monkeypatch, capsys):
