@@ -15,6 +15,7 @@ DEVICE = "GPUFLEET_DEVICE"  # "cuda" or "cpu": what the launcher decided for thi
 PARENT_PID = "GPUFLEET_PARENT_PID"  # the process a launcher-side process must die with
 UMASK = "GPUFLEET_UMASK"  # the caller's umask, for user code in the ranks
 ATTEMPT = "GPUFLEET_ATTEMPT"  # 0 for the first run of a call, 1 for its first retry, ...
+STEP_TELEMETRY = "GPUFLEET_STEP_TELEMETRY"  # "0": the ranks time no steps (steps.py)
 TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run folder's tracking.json
 # Set by the user or the machine's operator: "0" (or false/off/no) switches MLflow tracking off
 # for every call, whatever its tracking= says.
@@ -76,6 +77,10 @@ def run_dir() -> Path | None:
 
 def tracked() -> bool:
     return os.environ.get(TRACKED) == "1"
+
+
+def step_telemetry() -> bool:
+    return os.environ.get(STEP_TELEMETRY, "1") != "0"
 
 
 def tracking_allowed() -> bool:

@@ -149,6 +149,8 @@ def _read(option: Option, value: Any, flag: str) -> Any:
         if option.name == "gpus" and text in ("auto", "gpu", "none"):  # torchrun's words
             return None
         return int(text) if text.isdigit() else value
+    if kind == "number":
+        return value  # its check reads 0.2 and 20%
     if kind == "ranks":
         text = str(value).strip().strip("[]")
         if text and all(part.strip().isdigit() for part in text.split(",")):

@@ -35,6 +35,7 @@ DEFAULT_TIMEOUT = 3 * 3600.0
 DEFAULT_HANG_TIMEOUT = 1800.0
 DEFAULT_GRACE_PERIOD = 30.0
 DEFAULT_PLACEMENT_TIMEOUT = 300.0
+DEFAULT_STRAGGLER_THRESHOLD = 0.2
 LOG_CHOICES = ("all", "rank0", "none")
 REMOTE_ENGINES = ("ray",)  # remote=True picks the first
 PLACEMENTS = ("pack", "spread", "strict_pack", "strict_spread")  # Ray's placement strategies
@@ -144,6 +145,9 @@ class RunOptions:
     hang_timeout: float | None = DEFAULT_HANG_TIMEOUT
     grace_period: float = DEFAULT_GRACE_PERIOD
     show_timings: bool = False
+    step_telemetry: bool = True  # time each rank's steps (steps.py): stragglers, input wait
+    straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD  # late by this share of a step
+    collapse_lines: bool = True  # a line many ranks print alike is shown once
     tracking: bool | None = None  # MLflow: None = when installed
     warm: bool = False  # keep the ranks alive between calls (a shared gpufleet.pool)
     ray_address: str | None = None  # the Ray cluster of remote runs; None: RAY_ADDRESS or a local one
@@ -235,7 +239,7 @@ class Option:
 
     name: str
     help: str  # the one help text: --help, the decorator's docstring, the JSON Schema
-    kind: str  # how a flag reads it: count, duration, flag, switch, text, choice, ranks, env, names, pip, json, path
+    kind: str  # how a flag reads it: count, number, duration, flag, switch, text, choice, ranks, env, names, pip, json, path
     schema: dict  # its workload field's JSON Schema
     choices: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # torchrun's flags that mean the same
@@ -296,6 +300,16 @@ OPTIONS = _options(
            default_note="30s"),
     Option("show_timings", "print where each call's time went (every run folder keeps "
            "timings.json either way)", "flag", {"type": "boolean"}, config=True),
+    Option("step_telemetry", "time every rank's steps (step time, input wait, arrival at the "
+           "gradient collective) to name stragglers, live and in MLflow; off: nothing is timed",
+           "flag", {"type": "boolean"}, config=True, default_note="on"),
+    Option("straggler_threshold", "a rank is named a straggler when it reaches the step's "
+           "collective later than the other ranks' median by this share of a step, window after "
+           "window", "number", {"type": "number", "exclusiveMinimum": 0}, config=True,
+           metavar="SHARE", default_note="0.2"),
+    Option("collapse_lines", "show a line that many ranks print alike at about the same time "
+           "once, as [ranks 0-7] (the per-rank logs keep every line)", "flag",
+           {"type": "boolean"}, config=True, default_note="on"),
     Option("tracking", "MLflow: one run per call, shared by every rank (default: when MLflow is "
            "installed; on: require it; off: never; GPUFLEET_TRACKING=0 turns it off everywhere)", "switch", {"type": ["boolean", "null"]},
            config=True),
@@ -414,6 +428,9 @@ def _checked(options: Mapping[str, Any]) -> dict:
         "hang_timeout": _check_hang_timeout,
         "grace_period": _check_grace_period,
         "show_timings": _check_show_timings,
+        "step_telemetry": _check_step_telemetry,
+        "straggler_threshold": _check_straggler_threshold,
+        "collapse_lines": _check_collapse_lines,
         "tracking": _check_tracking,
         "warm": _check_warm,
         "ray_address": _check_ray_address,
@@ -581,6 +598,27 @@ def _check_detach(detach):
 
 def _check_show_timings(show_timings):
     return _bool("show_timings", show_timings, "print where each call's time went")
+
+
+def _check_step_telemetry(step_telemetry):
+    return _bool("step_telemetry", step_telemetry, "time every rank's steps")
+
+
+def _check_straggler_threshold(threshold):
+    number = threshold
+    if isinstance(number, str):
+        with contextlib.suppress(ValueError):
+            number = float(number.strip().rstrip("%")) / (100 if number.strip().endswith("%") else 1)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < math.inf:
+        raise ConfigError(
+            f"{spell('straggler_threshold', threshold)} must be a positive share of a step, e.g. "
+            f"{spell('straggler_threshold', DEFAULT_STRAGGLER_THRESHOLD)} (a rank 20% of a step late)"
+        )
+    return float(number)
+
+
+def _check_collapse_lines(collapse_lines):
+    return _bool("collapse_lines", collapse_lines, "show lines many ranks print alike once")
 
 
 def _bool(name: str, value, meaning: str) -> bool:

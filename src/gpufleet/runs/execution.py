@@ -159,7 +159,8 @@ class _Execution:
         self.on_attempt(attempt.path)
         write_private(attempt.payload, self.call.payload)
         # said either way: a call made inside a tracked rank inherits that rank's "1"
-        env = {_environ.TRACKED: "1" if self.tracking.enabled else "0"}
+        env = {_environ.TRACKED: "1" if self.tracking.enabled else "0",
+               _environ.STEP_TELEMETRY: "1" if self.opts.step_telemetry else "0"}
         stamps = {"call": called_at, "attempt_started": time.time()}
         plan = self.launcher.plan(attempt, env)
         with self.launcher.launch(plan) as job:

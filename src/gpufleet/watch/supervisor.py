@@ -96,7 +96,8 @@ class Supervisor:
         self.preemption = preemption
         self.options = options
         self.display = progress.open_display()  # draws nothing until the call has run a while
-        self.follower = LogFollower(self.folder.log, self.world_size, options.shows_rank, display=self.display)
+        self.follower = LogFollower(self.folder.log, self.world_size, options.shows_rank, display=self.display,
+                                    collapse=options.collapse_lines)
         self.progress = progress.ProgressFile(self.folder.progress)
         self.telemetry = telemetry.Latest(self.folder.telemetry)  # for the status line's GPUs
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
