@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import random
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ from typing import Any, TypeGuard
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from gpufleet import _environ
+from gpufleet import _environ, steps
 from gpufleet.errors import ConfigError
 from gpufleet.rundir import check_private_dir, ensure_private_dir
 
@@ -185,7 +186,7 @@ class ResumableLoader:
         start, total = shared[_START], len(self.dataset.files)
         per_batch = self.dataset.chunk_size * _environ.world_size()
         shared[_READ] = start
-        for n, batch in enumerate(self.loader, 1):
+        for n, batch in enumerate(_timed(self.loader), 1):
             shared[_READ] = min(start + n * per_batch, total)
             yield batch
         # This rank's part is read. With pad=False a rank may have one batch fewer than the
@@ -232,6 +233,29 @@ class ResumableLoader:
             stacklevel=3,
         )
         return min(position * world_size, total)
+
+
+def _timed(loader: DataLoader) -> Iterator[Any]:
+    """The loader's batches, each one's wait (and size) told to the step telemetry."""
+    began = time.perf_counter()
+    batches = iter(loader)  # starting the workers is waiting for input too
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        now = time.perf_counter()
+        steps.waited(now - began, _batch_size(batch))
+        yield batch
+        began = time.perf_counter()
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The number of samples in a collated batch: its first tensor's first dimension."""
+    while isinstance(batch, (list, tuple, dict)) and batch:
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if shape else None
 
 
 def _parse_state(state: Any) -> tuple[int, int | tuple[int, int]]:

@@ -123,6 +123,15 @@ class RunDir:
         status line and ``gpufleet status``."""
         return self.path / "progress.json"
 
+    def steps(self, rank: int) -> Path:
+        """The rank's step telemetry, one JSON line per window (``steps.py``)."""
+        return self.path / "steps" / f"rank-{rank}.jsonl"
+
+    @property
+    def steps_summary(self) -> Path:
+        """Every rank's steps, summed up by the caller when the attempt ended (``steps.py``)."""
+        return self.path / "steps.json"
+
     @property
     def telemetry(self) -> Path:
         """The node's samples of its host and of the run's GPUs, one JSON line each

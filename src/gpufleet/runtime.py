@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpufleet import _environ, timings
+from gpufleet import _environ, steps, timings
 from gpufleet.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ __all__ = [
     "setup",
     "heartbeat",
     "should_stop",
+    "step",
 ]
 
 HEARTBEAT_EVERY_S = 1.0  # at most one file touch per second, however often heartbeat() is called
@@ -99,6 +100,23 @@ def heartbeat() -> None:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
     except OSError:  # a beat that cannot be recorded must never fail the training step
         pass
+
+
+def step(samples: int | None = None, tokens: int | None = None, total: int | None = None) -> steps.Step:
+    """Count a training step, for gpufleet's step telemetry: call it at the end of each step,
+    or wrap each step in ``with runtime.step():`` (the time between two steps then counts as
+    waiting for input). Not needed with the strategies' trainer (``Prepared.step()``), which
+    counts optimizer steps by itself; once called, its count is the one used.
+
+    ``samples`` and ``tokens``: how many this rank's step processed (for throughput; a
+    ``gpufleet.data`` loader counts samples by itself); ``total``: how many steps this call
+    will run, for the ETA. Each rank's step time, input wait and arrival at the step's
+    gradient collective (the start of its syncing backward pass) are compared by the caller,
+    which names a rank the others keep waiting for (``straggler_threshold``). Cheap: a few
+    clock reads per step and one small write a second. Does nothing outside a gpufleet run
+    or with ``step_telemetry=False``.
+    """
+    return steps.step(samples, tokens, total)
 
 
 @contextlib.contextmanager

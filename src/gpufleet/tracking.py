@@ -35,10 +35,11 @@ import time
 import traceback
 import urllib.parse
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, _process, runtime, telemetry
+from gpufleet import _environ, _process, runtime, steps, telemetry
 from gpufleet._log import log
 from gpufleet.errors import ConfigError
 from gpufleet.payload import write_private
@@ -48,7 +49,8 @@ DEFAULT_EXPERIMENT = "gpufleet"
 CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
 RANK_WAIT_S = 2 * CALLER_WAIT_S
 FINISH_WAIT_S = 10.0  # how long ending the run may hold up the call's return
-SYSTEM_METRICS_EVERY_S = 10.0  # how often the nodes' samples are logged into the run
+SYSTEM_METRICS_EVERY_S = 10.0  # how often the nodes' samples and ranks' steps go into the run
+BATCH_METRICS = 1000  # MLflow's most metrics in one log_batch
 PROGRESS_EVERY_S = 0.5  # how often rank 0 may replace progress.json (log_metrics)
 _REDUCTIONS = (None, "mean", "max")
 STORE_FILE = "mlflow.db"  # the default store, in $GPUFLEET_HOME
@@ -58,7 +60,7 @@ ARTIFACTS_MAX_BYTES = 100 * 2**20  # a call's attached files together; what does
 ARTIFACT_MAX_BYTES = 20 * 2**20  # one file: a longer one is attached as its last 20 MiB
 # What of an attempt's folder is attached, and nothing else: payloads, results (code and data)
 # and tracking.json (a tracking URI may hold credentials) stay in the run folder.
-ATTEMPT_FILES = ("timings.json", "agent.log", "stacks/rank-*.txt", "logs/rank-*.log")
+ATTEMPT_FILES = ("timings.json", "steps.json", "agent.log", "stacks/rank-*.txt", "logs/rank-*.log")
 UI_STOP_WAIT_S = 10.0  # for the UI's server to stop after Ctrl-C before it is killed
 
 
@@ -137,16 +139,28 @@ class Tracking:
         return f" in experiment {self.experiment_id}"
 
 
+@dataclass(frozen=True)
+class Followed:
+    """An attempt whose files go into the run: its folder, its ranks, its straggler rule."""
+
+    folder: RunDir
+    world_size: int
+    threshold: float
+
+
 class SystemMetrics:
-    """The nodes' samples (each attempt's ``telemetry.jsonl``, ``telemetry.py``) logged into
-    the call's run by a thread of the caller: every SYSTEM_METRICS_EVERY_S, each node's mean
-    over the samples since the last round, at the time of its last one, with the round as the
-    step; what is left when the run ends (``finish``). The ranks never wait for MLflow."""
+    """The nodes' samples (each attempt's ``telemetry.jsonl``, ``telemetry.py``) and the
+    ranks' step windows (``steps/``, ``steps.py``) logged into the call's run by a thread of
+    the caller: every SYSTEM_METRICS_EVERY_S, each node's mean over the samples since the last
+    round, at the time of its last one, with the round as the step, and each rank's windows
+    at their last step; what is left when the run ends (``finish``). The ranks only write
+    files: they never wait for MLflow, however far or slow its server."""
 
     def __init__(self, client: Any, run_id: str):
         self.client = client
         self.run_id = run_id
         self._files: list[telemetry.Follower] = []
+        self._steps: list[tuple[steps.Reader, float]] = []  # each attempt's, with its threshold
         self._files_lock = threading.Lock()  # never held while MLflow is called
         self._round = threading.Lock()  # one round at a time
         self._stop = threading.Event()
@@ -155,10 +169,11 @@ class SystemMetrics:
         self._step = 0
         self._failed = False
 
-    def follow(self, path: Path) -> None:
-        """Log the samples of ``path`` too (an attempt's file, from its start)."""
+    def follow(self, attempt: Followed) -> None:
+        """Log the samples and steps of an attempt too (its files, from their start)."""
         with self._files_lock:
-            self._files.append(telemetry.Follower(path))
+            self._files.append(telemetry.Follower(attempt.folder.telemetry))
+            self._steps.append((steps.Reader(attempt.folder, attempt.world_size), attempt.threshold))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gpufleet-system-metrics", daemon=True)
@@ -181,17 +196,23 @@ class SystemMetrics:
 
         with self._round:
             with self._files_lock:
-                files = list(self._files)
+                files, readers = list(self._files), list(self._steps)
             samples = [sample for follower in files for sample in follower.read()]
             metrics, tags = telemetry.mlflow_metrics(samples)
+            batch = [Metric(k, v, t, self._step) for k, v, t in metrics]
+            for reader, threshold in readers:
+                windows = reader.read()
+                found = steps.compare(reader.recent, threshold) if windows else None
+                step_metrics, step_tags = steps.mlflow_metrics(windows, found)
+                batch += [Metric(k, v, t, step) for k, v, t, step in step_metrics]
+                tags.update(step_tags)
             tags = {k: v for k, v in tags.items() if self._tagged.get(k) != v}
-            if not metrics and not tags:
+            if not batch and not tags:
                 return
             try:
-                self.client.log_batch(
-                    self.run_id, metrics=[Metric(k, v, t, self._step) for k, v, t in metrics],
-                    tags=[RunTag(k, v) for k, v in tags.items()],
-                )
+                for start in range(0, len(batch), BATCH_METRICS):  # MLflow's limit per call
+                    self.client.log_batch(self.run_id, metrics=batch[start:start + BATCH_METRICS],
+                                          tags=[RunTag(k, v) for k, v in tags.items()] if not start else [])
             except Exception as exc:  # a store that fails must not fail the run: said once
                 if not self._failed:
                     self._failed = True
@@ -268,7 +289,7 @@ class PendingTracking:
         self._closed: tuple | None = None  # finish()'s arguments, once the call ended
         self._lock = threading.Lock()
         self._warned = False
-        self._telemetry: list[Path] = []  # each attempt's samples, for the run's system metrics
+        self._followed: list[Followed] = []  # each attempt's samples and steps, for the run
 
     def begin(self) -> None:
         """Start creating the run (once per call), right after the first agent started."""
@@ -285,8 +306,8 @@ class PendingTracking:
         with self._lock:
             self._found = found
             closed = self._closed
-            for path in self._telemetry:
-                found.system.follow(path)
+            for attempt in self._followed:
+                found.system.follow(attempt)
         if closed is not None:  # the call ended first
             found.finish(*closed)
 
@@ -310,13 +331,12 @@ class PendingTracking:
         if self._found is not None:
             self._found.attempt(number)
 
-    def follow_telemetry(self, path: Path) -> None:
-        """An attempt's nodes sample into ``path``: log its samples into the run, now or as
-        soon as the run exists."""
+    def follow(self, attempt: Followed) -> None:
+        """Log an attempt's samples and steps into the run, now or as soon as it exists."""
         with self._lock:
-            self._telemetry.append(path)
+            self._followed.append(attempt)
             if self._found is not None:
-                self._found.system.follow(path)
+                self._found.system.follow(attempt)
 
     def close(self, status: str, folder: Path | None = None, error: BaseException | None = None) -> None:
         """The call ended with ``status`` (and ``error``): end the run and attach the run

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from gpufleet import _environ, _process, _stacks, payload, runtime, telemetry, timings, tracking
+from gpufleet import _environ, _process, _stacks, payload, runtime, steps, telemetry, timings, tracking
 from gpufleet._log import log
 from gpufleet.errors import RankFailure
 from gpufleet.rank import warm
@@ -95,7 +95,10 @@ def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
     # the node's first rank samples the host and the run's GPUs while the call runs (not
     # while a warm pool's ranks warm up: that is no call of anyone's)
     sampler = telemetry.Sampler.start(run) if body is None else None
+    if body is None:
+        steps.begin_call(run, rank)
     outcome = _run(run, rank, body or _payload_call)
+    steps.finish_call()  # the last window, before the result: the caller may end with it
     if sampler is not None:
         sampler.stop()  # its last sample lands before the result: the caller may end with it
     try:

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, cast
 
 import torch
 
-from gpufleet import runtime
+from gpufleet import runtime, steps
 from gpufleet.errors import ConfigError
 
 PRECISIONS = ("bf16", "fp32")
@@ -131,6 +131,7 @@ class Prepared:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled by 1/grad_accum)."""
+        steps.backward_is_local(not self._syncs_next())  # the step telemetry's arrival is the sync
         (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
 
     def step(self) -> bool:
@@ -149,6 +150,7 @@ class Prepared:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            steps.trainer_step()
         self._set_gradient_sync(self._syncs_next())
         return boundary
 

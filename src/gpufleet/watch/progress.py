@@ -52,12 +52,14 @@ class Status:
     metrics: dict = field(default_factory=dict)  # and its values
     attempt: int = 0  # 0: the first run of the call
     outcome: str | None = None  # once the call ended: "finished", "failed", ...
+    steps: tuple[str, ...] = ()  # from the ranks' step telemetry (steps.describe)
     gpus: str = ""  # the run's GPUs as last sampled (telemetry.describe_gpus); "" without any
 
 
 def status_line(status: Status) -> str:
-    """``train-…-3fa2c1 · 2/2 ranks alive · 0:01:23 · step 120 · loss 0.113 lr 0.0003 ·
-    GPU 0: 87% 61.2/80 GiB`` (the GPUs last: a long list is what the terminal may cut)."""
+    """``train-…-3fa2c1 · 2/2 ranks alive · 0:01:23 · step 120/500 · loss 0.113 lr 0.0003 ·
+    3.2k samples/s · ETA 0:02:10 · slowest rank 1 +4% of a step late · GPU 0: 87% 61.2/80 GiB``
+    (the GPUs last: a long list is what the terminal may cut)."""
     found = _RUN_NAME.match(status.name)
     parts = [f"{found['name']}-…-{found['token']}" if found else status.name]
     if status.attempt:
@@ -71,6 +73,7 @@ def status_line(status: Status) -> str:
         parts.append(f"step {status.step}")
     if status.metrics:
         parts.append(" ".join(f"{k} {_number(v)}" for k, v in status.metrics.items()))
+    parts.extend(status.steps)
     if status.gpus:
         parts.append(status.gpus)
     return " · ".join(parts)

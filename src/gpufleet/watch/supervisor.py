@@ -16,13 +16,13 @@ import subprocess
 import threading
 import time
 
-from gpufleet import telemetry, timings
+from gpufleet import steps, telemetry, timings
 from gpufleet._log import log
 from gpufleet.errors import RunCancelledError, RunFailedError
 from gpufleet.launchers.base import Job
 from gpufleet.options import RunOptions
 from gpufleet.payload import write_private
-from gpufleet.tracking import CALLER_WAIT_S, PendingTracking
+from gpufleet.tracking import CALLER_WAIT_S, Followed, PendingTracking
 from gpufleet.watch import outcome, progress
 from gpufleet.watch.logs import LogFollower
 
@@ -89,8 +89,8 @@ class Supervisor:
         self.stamps = {**stamps, **job.stamps}
         self.began = self.stamps.get("call", time.time())  # for the status line's clock
         self.tracking = tracking  # handed to the ranks once ready (tracking.json)
-        if tracking is not None:  # the nodes' samples of this attempt go into the MLflow run
-            tracking.follow_telemetry(self.folder.telemetry)
+        if tracking is not None:  # the nodes' samples and ranks' steps go into the MLflow run
+            tracking.follow(Followed(self.folder, self.world_size, options.straggler_threshold))
         self.tracking_due = time.monotonic() + CALLER_WAIT_S
         self.number = attempt  # 0: the first attempt
         self.preemption = preemption
@@ -100,6 +100,7 @@ class Supervisor:
                                     collapse=options.collapse_lines)
         self.progress = progress.ProgressFile(self.folder.progress)
         self.telemetry = telemetry.Latest(self.folder.telemetry)  # for the status line's GPUs
+        self.steps = steps.Reader(self.folder, self.world_size)  # its throughput and stragglers
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
 
     def wait(self, deadline: float | None = None) -> list:
@@ -118,6 +119,7 @@ class Supervisor:
             self.stamps["results_collected"] = time.time()
             self._close_display(error)
             self._save_timings()
+            self._save_steps(error)
 
     def _show_status(self) -> None:
         """Refresh the status line when the display wants it (a few times a second)."""
@@ -131,11 +133,18 @@ class Supervisor:
 
     def _status(self, outcome: str | None = None) -> progress.Status:
         step, metrics = self.progress.read()
+        self.steps.read()
+        found = steps.compare(self.steps.recent, self.options.straggler_threshold)
+        parts = steps.describe(found)
+        if parts and step is not None and found is not None and not found.total:
+            parts = parts[1:]  # the step rank 0 logged is the user's own count: it stands
+        elif parts:
+            step = None
         return progress.Status(
             name=self.folder.name, world_size=self.world_size,
             elapsed=time.time() - self.began,
             alive=None if outcome else self.monitor.alive(), step=step, metrics=metrics,
-            attempt=self.number, outcome=outcome,
+            attempt=self.number, outcome=outcome, steps=tuple(parts),
             gpus="" if outcome else telemetry.describe_gpus(self.telemetry.read()),
         )
 
@@ -146,6 +155,20 @@ class Supervisor:
             return
         if self.options.show_timings:
             log.info(f"timings of {self.folder.name}\n{found.table()}")
+
+    def _save_steps(self, error: BaseException | None) -> None:
+        """Keep the ranks' steps summed up (``steps.json``); print them when the call
+        succeeded (a failure's report is about its error)."""
+        self.steps.read()
+        summary = steps.Summary.of(self.steps, self.options.straggler_threshold)
+        if summary is None:
+            return
+        try:
+            summary.save(self.folder.steps_summary)
+        except OSError:  # the run folder is gone
+            return
+        if error is None:
+            log.info(f"steps of {self.folder.name}:\n{summary.table()}")
 
     def _wait(self, deadline: float | None) -> list:
         if deadline is None and self.options.timeout is not None:

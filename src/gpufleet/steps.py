@@ -1,0 +1,705 @@
+"""Step telemetry: how long each rank's steps take, how long it waited for input, and when it
+reached the step's gradient collective, so that the caller can name the rank the others wait for.
+
+Why the arrival: in data-parallel training every rank leaves a step's collective (DDP's
+all-reduce, FSDP's reduce-scatter, ZeRO's) at the same moment, so every rank's step time is the
+same, the slow rank's included: the collective hides it. What differs is when each rank
+*reaches* the collective. Each rank takes the time from its step's start to the start of the
+step's gradient-syncing backward pass (``arrive_s``): input wait plus the forward pass (and the
+micro-batches that do not sync). A rank whose ``arrive_s`` is consistently later than the other
+ranks' median by ``straggler_threshold`` of a step is the straggler. On a GPU that time is taken
+on the GPU's own timeline (two CUDA events, read once done, never waited for), since the CPU
+runs ahead of it; on CPU, by the clock. A step without a backward pass (evaluation, a loop
+with no collective) arrives at its end: its step time is then what compares ranks.
+
+Where the steps come from, with no code change: the strategies' ``Prepared`` ends a step at
+each optimizer step and marks which backward passes sync; ``gpufleet.data``'s loader times each
+batch's wait and counts its samples; a backward pass anywhere (``torch.autograd.backward``,
+which ``loss.backward()`` calls, wrapped while a call runs) marks the arrival. With one line
+otherwise: ``runtime.step()`` at the end of each step, or ``with runtime.step():`` around it
+(the time between two steps then counts as input wait). Steps are counted from 1 in each call.
+
+Rank side: one ``_Recorder`` per process, begun and finished by the worker around each call.
+It keeps a window of steps in memory and appends one JSON line per window (about
+WINDOW_S) to the attempt's ``steps/rank-N.jsonl``::
+
+    {"rank": 1, "node": 0, "host": "gpu-07", "gpu": "1", "time": 1733.2, "first": 41,
+     "last": 64, "steps": 24, "wall_s": 1.01, "step_s": 0.041, "step_max_s": 0.05,
+     "slowest": [[57, 0.05], ...], "input_s": 0.02, "arrive_s": 0.013, "samples": 768,
+     "tokens": null, "total": 500, "memory_bytes": ..., "memory_peak_bytes": ...}
+
+(``step_s`` and ``arrive_s`` are the window's medians; ``arrive_s`` is null until a GPU's
+events are done, and lands in a later window when they finish late.)
+
+Caller side: ``Reader`` follows the files (a Ray rank's are mirrored line by line);
+``compare`` judges the recent windows (throughput, ETA, the slowest rank, the straggler, ranks
+waiting for input) for the status line, ``gpufleet status`` and MLflow (``mlflow_metrics``);
+``Summary`` is the whole attempt's per-rank table, printed and kept as ``steps.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpufleet import _environ
+from gpufleet._log import log
+from gpufleet.rundir import RunDir
+
+WINDOW_S = 1.0  # one line per rank per window: a 20 ms step costs a write every 50 steps
+SLOWEST_KEPT = 3  # slowest steps kept per window, and in the summary
+PENDING_EVENTS = 256  # GPU event pairs waiting to be read; older ones are dropped
+RECENT_WINDOWS = 5  # what the live comparison looks at, per rank (about 5 s)
+MIN_WINDOWS = 3  # a rank is named a straggler only with this many windows seen
+INPUT_BOUND_SHARE = 0.25  # a rank waiting for input this share of its time is input-bound
+
+
+# ---------------------------------------------------------------------------- the rank's side
+
+
+@dataclass
+class _Window:
+    """The steps a rank ended since its last line."""
+
+    start: float  # perf_counter
+    first: int  # its first step's number
+    step_s: list[float] = field(default_factory=list)
+    arrive_s: list[float] = field(default_factory=list)
+    slowest: list[tuple[int, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+    input_s: float = 0.0
+    samples: int | None = None
+    tokens: int | None = None
+
+
+class _Recorder:
+    """This process's steps in the current call (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.user_driven = False  # runtime.step() was called: the trainer's ends are ignored
+        self.local_backward = False  # the next backward pass does not sync (grad_accum)
+
+    # -- the call -----------------------------------------------------------------------
+
+    def begin(self, run: RunDir, rank: int) -> None:
+        self.finish()
+        if not _environ.step_telemetry():
+            return
+        path = run.steps(rank)
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # the call goes on without step telemetry; said once, in the log
+            log.warning(f"no step telemetry for this rank: {exc}")
+            return
+        self.rank, self.node, self.host = rank, _environ.node_rank(), socket.gethostname()
+        self.gpu: str | None = None
+        self.user_driven = self.local_backward = False
+        self.count = 0  # steps ended
+        self.total: int | None = None
+        self.start: float | None = None  # perf_counter of this step's start; None: not begun
+        self.arrived: float | None = None
+        self.in_step = False  # inside ``with runtime.step()``
+        self.deferred: tuple[float, int | None, int | None] | None = None  # runtime.step()'s end
+        self.input_s = 0.0
+        self.samples: int | None = None
+        self.tokens: int | None = None
+        self.events: tuple[Any, Any] | None = None  # this step's (start, arrival) CUDA events
+        self.pending: deque[tuple[Any, Any]] = deque()  # ended steps' events, not read yet
+        self.cuda: Any = None  # torch.cuda once the rank uses a GPU
+        self.window = _Window(time.perf_counter(), 1)
+        _hook_backward()
+
+    def finish(self) -> None:
+        """The call ended: write the last window, close the file."""
+        if self.fd is None:
+            return
+        try:
+            self.commit()
+            if self.window.step_s or self.pending:
+                self._flush(time.perf_counter(), final=True)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    # -- events -------------------------------------------------------------------------
+
+    def began(self, now: float) -> None:
+        """The step starts now (the first event of a call, or ``with runtime.step()``)."""
+        self.start, self.arrived, self.input_s = now, None, 0.0
+        self.samples = self.tokens = None
+        self.events = None
+        if not _hooked:
+            _hook_backward()
+        cuda = self._cuda()
+        if cuda is not None:
+            start = cuda.Event(enable_timing=True)
+            start.record()
+            self.events = (start, None)
+
+    def commit(self) -> None:
+        """The end ``runtime.step()`` noted is a step's end (no ``with`` followed the call)."""
+        if self.deferred is not None:
+            deferred, self.deferred = self.deferred, None
+            self.ended(*deferred)
+
+    def waited(self, seconds: float, samples: int | None) -> None:
+        """The rank waited ``seconds`` for a batch of ``samples`` (the gpufleet loader)."""
+        self.commit()
+        if self.start is None:
+            self.began(time.perf_counter() - seconds)
+        self.input_s += seconds
+        if samples is not None:
+            self.samples = (self.samples or 0) + samples
+
+    def arrive(self) -> None:
+        """A backward pass starts: the step's gradient collective, unless it stays local."""
+        if self.local_backward:
+            self.local_backward = False
+            return
+        self.commit()
+        if self.start is None:
+            self.began(time.perf_counter())
+        if self.arrived is not None:
+            return
+        self.arrived = time.perf_counter()
+        if self.events is not None:
+            arrival = self.cuda.Event(enable_timing=True)
+            arrival.record()
+            self.events = (self.events[0], arrival)
+
+    def ended(self, now: float, samples: int | None = None, tokens: int | None = None) -> None:
+        """The step ended at ``now`` (``time.perf_counter()``)."""
+        if self.start is None:  # the call's first event: a step, but none to time (no start)
+            self.count += 1
+            self.began(now)
+            return
+        if samples is not None:
+            self.samples = samples
+        if tokens is not None:
+            self.tokens = tokens
+        self.count += 1
+        step_s, w = now - self.start, self.window
+        w.step_s.append(step_s)
+        w.slowest.append((self.count, step_s))
+        w.wall_s += step_s
+        w.input_s += self.input_s
+        if self.samples is not None:
+            w.samples = (w.samples or 0) + self.samples
+        if self.tokens is not None:
+            w.tokens = (w.tokens or 0) + self.tokens
+        if self.events is not None and self.events[1] is not None:
+            self.pending.append(self.events)
+            if len(self.pending) > PENDING_EVENTS:
+                self.pending.popleft()
+        else:  # no GPU, or no backward pass: the clock's arrival (the step's end without one)
+            w.arrive_s.append((self.arrived or now) - self.start)
+        if now - w.start >= WINDOW_S:
+            self._flush(now)
+        self.began(now)
+
+    # -- windows ------------------------------------------------------------------------
+
+    def late_arrivals(self, final: bool = False) -> list[float]:
+        """Arrivals the GPU has timed since the last window (in seconds); ``final``: all of
+        them, waiting for the GPU (the call has ended)."""
+        found = []
+        while self.pending and (final or self.pending[0][1].query()):
+            start, arrival = self.pending.popleft()
+            found.append(start.elapsed_time(arrival) / 1000)
+        return found
+
+    def _flush(self, now: float, final: bool = False) -> None:
+        w, fd = self.window, self.fd
+        assert fd is not None
+        arrive_s = w.arrive_s + self.late_arrivals(final)
+        line = {
+            "rank": self.rank, "node": self.node, "host": self.host, "gpu": self._gpu(),
+            "time": time.time(), "first": w.first, "last": self.count,
+            "steps": len(w.step_s), "wall_s": round(w.wall_s, 6),
+            "step_s": _median(w.step_s), "step_max_s": max(w.step_s, default=None),
+            "slowest": sorted(w.slowest, key=lambda s: -s[1])[:SLOWEST_KEPT],
+            "input_s": round(w.input_s, 6), "arrive_s": _median(arrive_s),
+            "samples": w.samples, "tokens": w.tokens, "total": self.total, **self._memory(),
+        }
+        self.window = _Window(now, self.count + 1)
+        try:
+            os.write(fd, (json.dumps(line, separators=(",", ":")) + "\n").encode())
+        except OSError as exc:  # a full disk, say: the steps go unrecorded, training goes on
+            log.warning(f"step telemetry stopped: {exc}")
+            os.close(fd)
+            self.fd = None
+
+    # -- the GPU ------------------------------------------------------------------------
+
+    def _cuda(self):
+        """torch.cuda once this rank has initialised CUDA (never initialised here)."""
+        if self.cuda is None:
+            torch = sys.modules.get("torch")
+            if torch is not None and _environ.device_kind() == "cuda" and torch.cuda.is_initialized():
+                self.cuda = torch.cuda
+        return self.cuda
+
+    def _gpu(self) -> str | None:
+        """The GPU as the host names it: this rank's entry of CUDA_VISIBLE_DEVICES."""
+        if self.gpu is None and self.cuda is not None:
+            index = self.cuda.current_device()
+            visible = _environ.cuda_visible_devices()
+            entries = [e.strip() for e in visible.split(",")] if visible else []
+            self.gpu = entries[index] if index < len(entries) else str(index)
+        return self.gpu
+
+    def _memory(self) -> dict:
+        if self.cuda is None:
+            return {}
+        return {"memory_bytes": self.cuda.memory_allocated(),
+                "memory_peak_bytes": self.cuda.max_memory_allocated()}
+
+
+_recorder = _Recorder()  # per process, like the rank it times
+
+
+def begin_call(run: RunDir, rank: int) -> None:
+    """Time this rank's steps in the call of ``run`` (the worker calls it)."""
+    _recorder.begin(run, rank)
+
+
+def finish_call() -> None:
+    """Write what the call's last window holds (the worker calls it, before the result)."""
+    try:
+        _recorder.finish()
+    except Exception as exc:  # telemetry never fails a call
+        log.warning(f"step telemetry not finished: {type(exc).__name__}: {exc}")
+
+
+def recording() -> bool:
+    return _recorder.fd is not None
+
+
+class Step:
+    """What ``runtime.step()`` returns. Called, it ended a step (taken as such at the next
+    event); used with ``with``, it is the step's body instead, from the last step's end (the
+    wait for the next batch counts as input) to the end of the block."""
+
+    def __init__(self, samples: int | None, tokens: int | None):
+        self.samples, self.tokens = samples, tokens
+
+    def __enter__(self) -> Step:
+        r = _recorder
+        if r.fd is not None:
+            r.deferred = None  # not a step's end: this step's start
+            now = time.perf_counter()
+            if r.start is None:
+                r.began(now)
+            else:
+                r.input_s = max(r.input_s, now - r.start)
+            r.in_step = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        r = _recorder
+        if r.fd is not None and r.in_step:
+            r.in_step = False
+            r.ended(time.perf_counter(), self.samples, self.tokens)
+
+
+def step(samples: int | None = None, tokens: int | None = None, total: int | None = None) -> Step:
+    """See ``runtime.step``."""
+    r = _recorder
+    if r.fd is not None:
+        if total is not None:
+            r.total = int(total)
+        r.user_driven = True
+        r.commit()
+        r.deferred = (time.perf_counter(), samples, tokens)
+    return Step(samples, tokens)
+
+
+def trainer_step() -> None:
+    """``Prepared.step()`` stepped the optimizer: a step ends, unless the user counts them."""
+    if recording() and not _recorder.user_driven:
+        _recorder.ended(time.perf_counter())
+
+
+def backward_is_local(local: bool) -> None:
+    """``Prepared.backward()``: whether the coming backward pass keeps gradients local."""
+    if recording():
+        _recorder.local_backward = local
+
+
+def waited(seconds: float, samples: int | None) -> None:
+    """The gpufleet loader waited ``seconds`` for a batch."""
+    if recording():
+        _recorder.waited(seconds, samples)
+
+
+_hooked = False
+
+
+def _hook_backward() -> None:
+    """Wrap ``torch.autograd.backward`` (once per process, once torch is imported) so that a
+    backward pass marks the step's arrival at its gradient collective."""
+    global _hooked
+    torch = sys.modules.get("torch")
+    if torch is None or _hooked:
+        return
+    _hooked = True
+    original = torch.autograd.backward
+
+    @functools.wraps(original)
+    def backward(*args, **kwargs):
+        if _recorder.fd is not None:
+            _recorder.arrive()
+        return original(*args, **kwargs)
+
+    torch.autograd.backward = backward
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 6) if values else None
+
+
+# ---------------------------------------------------------------------------- the caller's side
+
+
+class Reader:
+    """The windows the ranks of an attempt wrote, as they come: the recent ones per rank for
+    the live view, and per-rank totals for the summary."""
+
+    def __init__(self, folder: RunDir, world_size: int):
+        self._paths = {rank: folder.steps(rank) for rank in range(world_size)}
+        self._offsets = dict.fromkeys(self._paths, 0)
+        self.recent: dict[int, deque[dict]] = {}
+        self.totals: dict[int, _Totals] = {}
+
+    def read(self) -> list[dict]:
+        """The windows written since the last read (whole lines only)."""
+        found = []
+        for rank, path in self._paths.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets[rank])
+                    data = f.read()
+            except OSError:  # not written yet (a rank with no step, or the folder is gone)
+                continue
+            data = data[: data.rfind(b"\n") + 1]
+            self._offsets[rank] += len(data)
+            for window in _parse(data.splitlines()):
+                self.recent.setdefault(rank, deque(maxlen=RECENT_WINDOWS)).append(window)
+                self.totals.setdefault(rank, _Totals()).add(window)
+                found.append(window)
+        return found
+
+
+def _parse(lines: list[bytes]) -> list[dict]:
+    found = []
+    for line in lines:
+        try:
+            window = json.loads(line)
+        except ValueError:  # a damaged line costs that window only
+            continue
+        if isinstance(window, dict) and isinstance(window.get("rank"), int) and window.get("steps"):
+            found.append(window)
+    return found
+
+
+@dataclass
+class _Totals:
+    """One rank's windows so far, folded."""
+
+    steps: int = 0
+    last: int = 0
+    wall_s: float = 0.0
+    input_s: float = 0.0
+    step_medians: array = field(default_factory=lambda: array("d"))
+    arrive_medians: array = field(default_factory=lambda: array("d"))
+    slowest: list[tuple[int, float]] = field(default_factory=list)
+    samples: int | None = None
+    where: dict = field(default_factory=dict)
+
+    def add(self, window: dict) -> None:
+        self.steps += window["steps"]
+        self.last = max(self.last, window.get("last") or 0)
+        self.wall_s += window.get("wall_s") or 0.0
+        self.input_s += window.get("input_s") or 0.0
+        if window.get("step_s") is not None:
+            self.step_medians.append(window["step_s"])
+        if window.get("arrive_s") is not None:
+            self.arrive_medians.append(window["arrive_s"])
+        self.slowest = sorted([*self.slowest, *map(tuple, window.get("slowest") or ())],
+                              key=lambda s: -s[1])[:SLOWEST_KEPT]
+        if window.get("samples") is not None:
+            self.samples = (self.samples or 0) + window["samples"]
+        self.where = {k: window.get(k) for k in ("host", "gpu", "node")}
+
+
+@dataclass(frozen=True)
+class RankView:
+    """One rank, as the recent windows show it."""
+
+    rank: int
+    host: str | None
+    gpu: str | None
+    step: int  # its last step
+    step_s: float | None  # median step time
+    arrive_s: float | None  # median time to reach the step's collective
+    input_share: float  # of its time, waiting for input
+    late_s: float | None = None  # arrive_s minus the other ranks' median arrive_s
+    windows: int = 0
+
+    def where(self) -> str:
+        parts = [p for p in (self.host, f"GPU {self.gpu}" if self.gpu is not None else None) if p]
+        return f" ({', '.join(parts)})" if parts else ""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The ranks compared over their recent windows."""
+
+    ranks: list[RankView]
+    step: int  # the step every rank has reached
+    total: int | None
+    step_s: float | None  # the median rank's median step time
+    samples_per_s: float | None  # every rank's samples together
+    tokens_per_s: float | None
+    steps_per_s: float | None
+    slowest: RankView | None  # the latest rank to arrive (with several ranks)
+    straggler: RankView | None  # the slowest, when consistently late past the threshold
+    input_bound: list[RankView]
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.total is None or not self.steps_per_s:
+            return None
+        return max(0, self.total - self.step) / self.steps_per_s
+
+    def late_share(self, view: RankView) -> float | None:
+        if view.late_s is None or not self.step_s:
+            return None
+        return view.late_s / self.step_s
+
+
+def compare(recent: Mapping[int, Iterable[dict]], threshold: float) -> Comparison | None:
+    """The ranks' recent windows judged: None before any rank ended a step."""
+    views, rates = [], []
+    total = None
+    for rank, windows in sorted(recent.items()):
+        windows = list(windows)
+        if not windows:
+            continue
+        last = windows[-1]
+        wall = sum(w.get("wall_s") or 0.0 for w in windows)
+        steps = [w["step_s"] for w in windows if w.get("step_s") is not None]
+        arrivals = [w["arrive_s"] for w in windows if w.get("arrive_s") is not None]
+        views.append(RankView(
+            rank=rank, host=last.get("host"), gpu=last.get("gpu"), step=last.get("last") or 0,
+            step_s=statistics.median(steps) if steps else None,
+            arrive_s=statistics.median(arrivals) if arrivals else None,
+            input_share=(sum(w.get("input_s") or 0.0 for w in windows) / wall) if wall else 0.0,
+            windows=len(windows),
+        ))
+        rates.append(_rates(windows, wall))
+        total = last.get("total") if last.get("total") is not None else total
+    if not views:
+        return None
+    views = [_with_lateness(view, views) for view in views]
+    step_times = [v.step_s for v in views if v.step_s is not None]
+    step_s = statistics.median(step_times) if step_times else None
+    late = [v for v in views if v.late_s is not None]
+    slowest = max(late, key=lambda v: v.late_s or 0.0) if late else None
+    straggler = None
+    if (slowest is not None and step_s and slowest.windows >= MIN_WINDOWS
+            and (slowest.late_s or 0.0) >= threshold * step_s):
+        straggler = slowest
+    return Comparison(
+        ranks=views, step=min(v.step for v in views), total=total, step_s=step_s,
+        samples_per_s=_sum_or_none(r[0] for r in rates),
+        tokens_per_s=_sum_or_none(r[1] for r in rates),
+        steps_per_s=statistics.median([r[2] for r in rates if r[2] is not None] or [0.0]) or None,
+        slowest=slowest, straggler=straggler,
+        input_bound=[v for v in views if v.input_share >= INPUT_BOUND_SHARE],
+    )
+
+
+def _rates(windows: list[dict], wall: float) -> tuple[float | None, float | None, float | None]:
+    """A rank's samples, tokens and steps per second over its windows."""
+    if not wall:
+        return None, None, None
+    samples = [w["samples"] for w in windows if w.get("samples") is not None]
+    tokens = [w["tokens"] for w in windows if w.get("tokens") is not None]
+    return (sum(samples) / wall if samples else None, sum(tokens) / wall if tokens else None,
+            sum(w["steps"] for w in windows) / wall)
+
+
+def _with_lateness(view: RankView, views: list[RankView]) -> RankView:
+    others = [v.arrive_s for v in views if v.rank != view.rank and v.arrive_s is not None]
+    if view.arrive_s is None or not others:
+        return view
+    return RankView(**{**view.__dict__, "late_s": view.arrive_s - statistics.median(others)})
+
+
+def _sum_or_none(values: Iterable[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return sum(found) if found else None
+
+
+def describe(found: Comparison | None) -> list[str]:
+    """The status line's parts: ``step 120/500``, ``3.2k samples/s``, ``ETA 0:02:10``,
+    ``straggler rank 1 (gpu-07, GPU 1) +35%``, ``input wait 41% (rank 0)``."""
+    if found is None:
+        return []
+    parts = [f"step {found.step}" + (f"/{found.total}" if found.total else "")]
+    if found.samples_per_s is not None:
+        parts.append(f"{_count(found.samples_per_s)} samples/s")
+    elif found.steps_per_s is not None:
+        parts.append(f"{found.steps_per_s:.3g} steps/s")
+    if found.tokens_per_s is not None:
+        parts.append(f"{_count(found.tokens_per_s)} tokens/s")
+    if found.eta_s is not None:
+        from gpufleet.watch.progress import clock
+
+        parts.append(f"ETA {clock(found.eta_s)}")
+    if found.straggler is not None:
+        parts.append(f"straggler rank {found.straggler.rank}{found.straggler.where()} "
+                     f"{_late(found, found.straggler)}")
+    elif found.slowest is not None and len(found.ranks) > 1:
+        parts.append(f"slowest rank {found.slowest.rank} {_late(found, found.slowest)}")
+    if found.input_bound:
+        worst = max(found.input_bound, key=lambda v: v.input_share)
+        which = f"rank {worst.rank}" if len(found.input_bound) == 1 else f"{len(found.input_bound)} ranks"
+        parts.append(f"input-bound: {which} waits {worst.input_share:.0%} for data")
+    return parts
+
+
+def _late(found: Comparison, view: RankView) -> str:
+    share = found.late_share(view)
+    return f"{share:+.0%} of a step late" if share is not None else ""
+
+
+def _count(value: float) -> str:
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
+
+
+# ---------------------------------------------------------------------------- the summary
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The attempt's steps, per rank: kept as ``steps.json``, printed when the call ends."""
+
+    ranks: list[dict]
+    straggler: int | None
+
+    @classmethod
+    def of(cls, reader: Reader, threshold: float) -> Summary | None:
+        if not reader.totals:
+            return None
+        rows = []
+        for rank, t in sorted(reader.totals.items()):
+            rows.append({
+                "rank": rank, **t.where, "steps": t.last,
+                "median_step_s": _stat(t.step_medians),
+                "median_arrive_s": _stat(t.arrive_medians),
+                "input_wait_share": round(t.input_s / t.wall_s, 4) if t.wall_s else None,
+                "samples": t.samples,
+                "slowest_steps": [{"step": s, "seconds": round(v, 6)} for s, v in t.slowest],
+            })
+        steps = [r["median_step_s"] for r in rows if r["median_step_s"] is not None]
+        step_s = statistics.median(steps) if steps else None
+        straggler = None
+        for row in rows:
+            others = [r["median_arrive_s"] for r in rows
+                      if r is not row and r["median_arrive_s"] is not None]
+            if row["median_arrive_s"] is None or not others:
+                continue
+            row["late_s"] = round(row["median_arrive_s"] - statistics.median(others), 6)
+            if step_s and row["late_s"] >= threshold * step_s and (
+                    straggler is None or row["late_s"] > rows[straggler]["late_s"]):
+                straggler = row["rank"]
+        return cls(rows, straggler)
+
+    def save(self, path: Path) -> None:
+        from gpufleet.payload import write_private
+
+        data = {"ranks": self.ranks, "straggler": self.straggler}
+        write_private(path, (json.dumps(data, indent=1) + "\n").encode())
+
+    def table(self) -> str:
+        """``rank  host  GPU  steps  median step  input wait  late  slowest steps`` per rank."""
+        head = ("rank", "host", "GPU", "steps", "median step", "input wait", "late", "slowest steps")
+        rows = [head]
+        for r in self.ranks:
+            late = r.get("late_s")
+            rows.append((
+                str(r["rank"]), str(r.get("host") or "-"), str(r.get("gpu") or "-"),
+                str(r["steps"]), _seconds(r["median_step_s"]),
+                "-" if r["input_wait_share"] is None else f"{r['input_wait_share']:.0%}",
+                "-" if late is None else f"{'+' if late >= 0 else '-'}{_seconds(abs(late))}"
+                + (" straggler" if r["rank"] == self.straggler else ""),
+                ", ".join(f"#{s['step']} {_seconds(s['seconds'])}" for s in r["slowest_steps"]),
+            ))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                         for row in rows)
+
+
+def _stat(values: array) -> float | None:
+    return round(statistics.median(values), 6) if values else None
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+# ---------------------------------------------------------------------------- MLflow
+
+
+def mlflow_metrics(windows: list[dict],
+                   found: Comparison | None) -> tuple[list[tuple[str, float, int, int]], dict[str, str]]:
+    """What a round of windows logs: ``(name, value, timestamp ms, step)`` for each rank's
+    series (``steps/rank1/step_s``, ``.../arrive_s``, ``.../input_wait_share``,
+    ``.../samples_per_s``), the median and max across ranks of the round's step times, the
+    slowest rank's lateness; and the straggler's tag (``gpufleet.straggler``)."""
+    metrics: list[tuple[str, float, int, int]] = []
+    by_step: dict[int, list[float]] = {}
+    for w in windows:
+        stamp, step, name = int(w["time"] * 1000), w.get("last") or 0, f"steps/rank{w['rank']}"
+        wall = w.get("wall_s") or 0.0
+        values = {"step_s": w.get("step_s"), "arrive_s": w.get("arrive_s"),
+                  "input_wait_share": (w.get("input_s") or 0.0) / wall if wall else None,
+                  "samples_per_s": w["samples"] / wall if wall and w.get("samples") is not None else None}
+        metrics += [(f"{name}/{k}", float(v), stamp, step) for k, v in values.items() if v is not None]
+        if w.get("step_s") is not None:
+            by_step.setdefault(step, []).append(w["step_s"])
+    tags = {}
+    if windows:
+        stamp, step = int(max(w["time"] for w in windows) * 1000), max(w.get("last") or 0 for w in windows)
+        times = [t for values in by_step.values() for t in values]
+        if times:
+            metrics += [("steps/step_s_p50", statistics.median(times), stamp, step),
+                        ("steps/step_s_max", max(times), stamp, step)]
+        if found is not None and found.slowest is not None:
+            share = found.late_share(found.slowest)
+            if share is not None:
+                metrics.append(("steps/slowest_rank_late_share", share, stamp, step))
+                metrics.append(("steps/slowest_rank", float(found.slowest.rank), stamp, step))
+        if found is not None and found.straggler is not None:
+            tags["gpufleet.straggler"] = f"rank {found.straggler.rank}{found.straggler.where()}"
+    return metrics, tags
