@@ -239,7 +239,8 @@ class Option:
 
     name: str
     help: str  # the one help text: --help, the decorator's docstring, the JSON Schema
-    kind: str  # how a flag reads it: count, number, duration, flag, switch, text, choice, ranks, env, names, pip, json, path
+    kind: str  # how a flag reads it: count, number, duration, flag, switch, text, choice, ranks, env,
+    # names, pip, json, path
     schema: dict  # its workload field's JSON Schema
     choices: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()  # torchrun's flags that mean the same
