@@ -21,10 +21,10 @@ from typing import Any
 
 import argcomplete
 
-from gpufleet import __version__, _environ, flags, telemetry
+from gpufleet import __version__, _environ, flags, steps, telemetry
 from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
-from gpufleet.options import RunOptions, Surface, speaking
+from gpufleet.options import DEFAULT_STRAGGLER_THRESHOLD, RunOptions, Surface, speaking
 from gpufleet.rank.script import run_command, run_module, run_script
 from gpufleet.rundir import RunDir, runs_root
 from gpufleet.runs import cluster, execution, handles, records
@@ -189,10 +189,12 @@ def cmd_status(args) -> int:
     summary = _summary(run)
     sampled = _last_samples(run.path, summary)
     gpu_use = telemetry.describe_gpus(sampled)  # "" on CPU
+    stepped = _last_steps(run.path, summary)
     if args.json:
         gpus = [{"node": node, "host": s.get("host"), "time": s.get("time"), **gpu}
                 for node, s in sorted(sampled.items()) for gpu in s.get("gpus") or ()]
-        print(json.dumps({**summary, **({"gpu_telemetry": gpus} if gpus else {})}, indent=1))
+        print(json.dumps({**summary, **({"gpu_telemetry": gpus} if gpus else {}),
+                          **({"steps": stepped.as_dict()} if stepped else {})}, indent=1))
         return 0
     for key in ("id", "name", "status", "kind", "gpus", "devices", "device", "created", "started",
                 "ended", "duration", "attempts", "error", "mlflow_run_id", "path"):
@@ -205,10 +207,22 @@ def cmd_status(args) -> int:
         if key == "gpus" and gpu_use:  # the run's GPUs as its nodes last sampled them
             age = time.time() - max(s.get("time", 0) for s in sampled.values())
             print(f"{'gpu use:':<13} {gpu_use} (sampled {progress.clock(age)} ago)")
+        if key == "gpus" and stepped:  # the ranks' step telemetry: throughput, stragglers
+            running = summary.get("status") not in records.FINAL
+            print(f"{'steps:':<13} {' · '.join(steps.describe(stepped, running))}")
     if summary.get("timings"):
         print("timings of the last attempt:")
         print("\n".join(f"  {label}: {seconds:.3f} s" for label, seconds in summary["timings"]["phases"].items()))
     return 0
+
+
+def _last_steps(folder: Path, summary: dict) -> steps.Comparison | None:
+    """The ranks' recent steps in the run's last attempt, compared (``steps.py``)."""
+    attempts = summary.get("attempts") or []
+    if not attempts:
+        return None
+    threshold = summary.get("straggler_threshold") or DEFAULT_STRAGGLER_THRESHOLD
+    return steps.compare(steps.recent_in(RunDir(folder / attempts[-1])), threshold)
 
 
 def _last_samples(folder: Path, summary: dict) -> dict[int, dict]:

@@ -37,7 +37,7 @@ class RunDir:
     def create_at(cls, path: Path) -> "RunDir":
         """A new private folder at ``path``, with its per-rank subfolders."""
         path.mkdir(mode=0o700)  # fails if it exists: nobody can pre-create it for us
-        for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl", "timings"):
+        for sub in ("logs", "results", "pids", "stacks", "heartbeats", "nccl", "timings", "steps"):
             (path / sub).mkdir(mode=0o700)
         return cls(path)
 

@@ -62,6 +62,7 @@ SLOWEST_KEPT = 3  # slowest steps kept per window, and in the summary
 PENDING_EVENTS = 256  # GPU event pairs waiting to be read; older ones are dropped
 RECENT_WINDOWS = 5  # what the live comparison looks at, per rank (about 5 s)
 MIN_WINDOWS = 3  # a rank is named a straggler only with this many windows seen
+TAIL_BYTES = 16 * 1024  # what ``recent_in`` reads of each rank's file: its last windows
 INPUT_BOUND_SHARE = 0.25  # a rank waiting for input this share of its time is input-bound
 
 
@@ -99,7 +100,6 @@ class _Recorder:
             return
         path = run.steps(rank)
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         except OSError as exc:  # the call goes on without step telemetry; said once, in the log
             log.warning(f"no step telemetry for this rank: {exc}")
@@ -403,6 +403,26 @@ class Reader:
         return found
 
 
+def recent_in(folder: RunDir) -> dict[int, list[dict]]:
+    """Each rank's last RECENT_WINDOWS windows in an attempt's folder, from the end of each
+    file (``gpufleet status``: a long run's files are not read whole)."""
+    found = {}
+    for path in sorted((folder.path / "steps").glob("rank-*.jsonl")):
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - TAIL_BYTES))
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        if size > TAIL_BYTES:
+            lines = lines[1:]  # the first line read is cut
+        windows = _parse(lines)[-RECENT_WINDOWS:]
+        if windows:
+            found[windows[-1]["rank"]] = windows
+    return found
+
+
 def _parse(lines: list[bytes]) -> list[dict]:
     found = []
     for line in lines:
@@ -459,6 +479,13 @@ class RankView:
     late_s: float | None = None  # arrive_s minus the other ranks' median arrive_s
     windows: int = 0
 
+    def as_dict(self, found: Comparison) -> dict:
+        share = found.late_share(self)
+        return {"rank": self.rank, "host": self.host, "gpu": self.gpu, "step": self.step,
+                "step_s": self.step_s, "arrive_s": self.arrive_s, "late_s": self.late_s,
+                "late_share": None if share is None else round(share, 4),
+                "input_wait_share": round(self.input_share, 4)}
+
     def where(self) -> str:
         parts = [p for p in (self.host, f"GPU {self.gpu}" if self.gpu is not None else None) if p]
         return f" ({', '.join(parts)})" if parts else ""
@@ -484,6 +511,18 @@ class Comparison:
         if self.total is None or not self.steps_per_s:
             return None
         return max(0, self.total - self.step) / self.steps_per_s
+
+    def as_dict(self) -> dict:
+        """For ``gpufleet status --json``."""
+        return {
+            "step": self.step, "total": self.total, "step_s": self.step_s,
+            "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+            "steps_per_s": self.steps_per_s,
+            "straggler": self.straggler.as_dict(self) if self.straggler else None,
+            "slowest": self.slowest.as_dict(self) if self.slowest else None,
+            "input_bound_ranks": [v.rank for v in self.input_bound],
+            "ranks": [v.as_dict(self) for v in self.ranks],
+        }
 
     def late_share(self, view: RankView) -> float | None:
         if view.late_s is None or not self.step_s:
@@ -555,9 +594,10 @@ def _sum_or_none(values: Iterable[float | None]) -> float | None:
     return sum(found) if found else None
 
 
-def describe(found: Comparison | None) -> list[str]:
+def describe(found: Comparison | None, running: bool = True) -> list[str]:
     """The status line's parts: ``step 120/500``, ``3.2k samples/s``, ``ETA 0:02:10``,
-    ``straggler rank 1 (gpu-07, GPU 1) +35%``, ``input wait 41% (rank 0)``."""
+    ``straggler rank 1 (gpu-07, GPU 1) +35% of a step late``, ``input-bound: rank 0 waits 41%
+    for data``; no ETA once the run is not ``running``."""
     if found is None:
         return []
     parts = [f"step {found.step}" + (f"/{found.total}" if found.total else "")]
@@ -567,7 +607,7 @@ def describe(found: Comparison | None) -> list[str]:
         parts.append(f"{found.steps_per_s:.3g} steps/s")
     if found.tokens_per_s is not None:
         parts.append(f"{_count(found.tokens_per_s)} tokens/s")
-    if found.eta_s is not None:
+    if found.eta_s is not None and running:
         from gpufleet.watch.progress import clock
 
         parts.append(f"ETA {clock(found.eta_s)}")

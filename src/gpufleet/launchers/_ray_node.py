@@ -132,11 +132,8 @@ class RankNode:
             self._progress, answer["progress"] = noted, _read(run.progress)
         # the node's telemetry (its first rank samples), in whole lines: the caller's copy
         # gathers every node's; a line still being written comes with the next poll
-        self._sent.setdefault("telemetry", 0)
-        samples, _ = self._read_new("telemetry", run.telemetry)
-        whole = samples.rfind(b"\n") + 1
-        self._sent["telemetry"] -= len(samples) - whole
-        answer["telemetry"] = samples[:whole]
+        answer["telemetry"] = self._whole_lines("telemetry", run.telemetry)
+        answer["steps"] = self._whole_lines("steps", run.steps(rank))  # its step telemetry
         if drained and result is not None:
             answer["timings"] = _read(run.timings(rank))
             answer["result"], self._result_sent = result, True
@@ -200,6 +197,14 @@ class RankNode:
         data = data[:CHUNK_BYTES]
         self._sent[key] += len(data)
         return data, not more
+
+    def _whole_lines(self, key: str, path: Path) -> bytes:
+        """The lines of ``path`` not sent yet, whole: one still being written comes next time."""
+        self._sent.setdefault(key, 0)
+        data, _ = self._read_new(key, path)
+        whole = data.rfind(b"\n") + 1
+        self._sent[key] -= len(data) - whole
+        return data[:whole]
 
     def _stable_stacks(self) -> bytes:
         """faulthandler writes a dump frame by frame: send it once it stopped growing."""

@@ -62,7 +62,8 @@ class Call:
         return Record.create(
             self.options.runs_dir, self.name, function=self.function, kind=self.kind,
             gpus=self.placement.nprocs, device=self.placement.device,
-            remote=self.options.remote or None, **fields,
+            remote=self.options.remote or None,
+            straggler_threshold=self.options.straggler_threshold, **fields,
         )
 
 
