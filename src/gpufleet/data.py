@@ -251,11 +251,16 @@ def _timed(loader: DataLoader) -> Iterator[Any]:
 
 
 def _batch_size(batch: Any) -> int | None:
-    """The number of samples in a collated batch: its first tensor's first dimension."""
-    while isinstance(batch, (list, tuple, dict)) and batch:
-        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    shape = getattr(batch, "shape", None)
-    return int(shape[0]) if shape else None
+    """The number of samples in a collated batch: its first tensor's first dimension, or the
+    length of a list of plain values (default_collate keeps strings as a list)."""
+    if hasattr(batch, "shape"):
+        return int(batch.shape[0]) if len(batch.shape) else None
+    if isinstance(batch, dict):
+        return _batch_size(next(iter(batch.values()))) if batch else None
+    if isinstance(batch, (list, tuple)) and batch:
+        first = batch[0]
+        return _batch_size(first) if hasattr(first, "shape") or isinstance(first, (list, tuple, dict)) else len(batch)
+    return None
 
 
 def _parse_state(state: Any) -> tuple[int, int | tuple[int, int]]:

@@ -63,7 +63,8 @@ PENDING_EVENTS = 256  # GPU event pairs waiting to be read; older ones are dropp
 RECENT_WINDOWS = 5  # what the live comparison looks at, per rank (about 5 s)
 MIN_WINDOWS = 3  # a rank is named a straggler only with this many windows seen
 TAIL_BYTES = 16 * 1024  # what ``recent_in`` reads of each rank's file: its last windows
-INPUT_BOUND_SHARE = 0.25  # a rank waiting for input this share of its time is input-bound
+INPUT_BOUND_SHARE = 0.25
+SHOWN_LATE_SHARE = 0.05  # the slowest rank is shown from this lateness (a share of a step) on  # a rank waiting for input this share of its time is input-bound
 
 
 # ---------------------------------------------------------------------------- the rank's side
@@ -614,12 +615,13 @@ def describe(found: Comparison | None, running: bool = True) -> list[str]:
     if found.straggler is not None:
         parts.append(f"straggler rank {found.straggler.rank}{found.straggler.where()} "
                      f"{_late(found, found.straggler)}")
-    elif found.slowest is not None and len(found.ranks) > 1:
+    elif found.slowest is not None and (found.late_share(found.slowest) or 0.0) >= SHOWN_LATE_SHARE:
         parts.append(f"slowest rank {found.slowest.rank} {_late(found, found.slowest)}")
     if found.input_bound:
         worst = max(found.input_bound, key=lambda v: v.input_share)
-        which = f"rank {worst.rank}" if len(found.input_bound) == 1 else f"{len(found.input_bound)} ranks"
-        parts.append(f"input-bound: {which} waits {worst.input_share:.0%} for data")
+        which = (f"rank {worst.rank} waits" if len(found.input_bound) == 1
+                 else f"{len(found.input_bound)} ranks wait")
+        parts.append(f"input-bound: {which} {worst.input_share:.0%} for data")
     return parts
 
 
