@@ -133,6 +133,11 @@ class RunDir:
         return self.path / "steps.json"
 
     @property
+    def metrics_log(self) -> Path:
+        """Rank 0's ``log_metrics``, one JSON line each, which the caller logs into MLflow."""
+        return self.path / "metrics.jsonl"
+
+    @property
     def telemetry(self) -> Path:
         """The node's samples of its host and of the run's GPUs, one JSON line each
         (``telemetry.py``); a Ray node's lines are mirrored into the caller's copy."""

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ
+from gpufleet import _environ, telemetry
 from gpufleet._log import log
 from gpufleet.rundir import RunDir
 
@@ -380,27 +380,17 @@ class Reader:
     the live view, and per-rank totals for the summary."""
 
     def __init__(self, folder: RunDir, world_size: int):
-        self._paths = {rank: folder.steps(rank) for rank in range(world_size)}
-        self._offsets = dict.fromkeys(self._paths, 0)
+        self._files = [telemetry.Follower(folder.steps(rank), _parse) for rank in range(world_size)]
         self.recent: dict[int, deque[dict]] = {}
         self.totals: dict[int, _Totals] = {}
 
     def read(self) -> list[dict]:
-        """The windows written since the last read (whole lines only)."""
-        found = []
-        for rank, path in self._paths.items():
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self._offsets[rank])
-                    data = f.read()
-            except OSError:  # not written yet (a rank with no step, or the folder is gone)
-                continue
-            data = data[: data.rfind(b"\n") + 1]
-            self._offsets[rank] += len(data)
-            for window in _parse(data.splitlines()):
-                self.recent.setdefault(rank, deque(maxlen=RECENT_WINDOWS)).append(window)
-                self.totals.setdefault(rank, _Totals()).add(window)
-                found.append(window)
+        """The windows written since the last read."""
+        found = [window for follower in self._files for window in follower.read()]
+        for window in found:
+            rank = window["rank"]
+            self.recent.setdefault(rank, deque(maxlen=RECENT_WINDOWS)).append(window)
+            self.totals.setdefault(rank, _Totals()).add(window)
         return found
 
 

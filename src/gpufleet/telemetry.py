@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,11 +245,12 @@ class Sampler:
 
 
 class Follower:
-    """New samples of a telemetry file, whole lines only (a line still being written, or
-    mirrored, is read once complete)."""
+    """New lines of a JSON-lines file, parsed by ``parse`` (default: telemetry samples); whole
+    lines only: a line still being written, or mirrored, is read once complete."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, parse: Callable[[list[bytes]], list[dict]] | None = None):
         self.path = path
+        self._parse = parse or _parse
         self._offset = 0
 
     def read(self) -> list[dict]:
@@ -261,7 +262,7 @@ class Follower:
             return []
         data = data[: data.rfind(b"\n") + 1]
         self._offset += len(data)
-        return _parse(data.splitlines())
+        return self._parse(data.splitlines())
 
 
 class Latest:

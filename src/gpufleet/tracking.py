@@ -49,7 +49,7 @@ DEFAULT_EXPERIMENT = "gpufleet"
 CALLER_WAIT_S = 30.0  # how long ranks wait for the call's MLflow run before going on without
 RANK_WAIT_S = 2 * CALLER_WAIT_S
 FINISH_WAIT_S = 10.0  # how long ending the run may hold up the call's return
-SYSTEM_METRICS_EVERY_S = 10.0  # how often the nodes' samples and ranks' steps go into the run
+SYSTEM_METRICS_EVERY_S = 5.0  # how often metrics, samples and steps go into the run
 BATCH_METRICS = 1000  # MLflow's most metrics in one log_batch
 PROGRESS_EVERY_S = 0.5  # how often rank 0 may replace progress.json (log_metrics)
 _REDUCTIONS = (None, "mean", "max")
@@ -149,17 +149,19 @@ class Followed:
 
 
 class SystemMetrics:
-    """The nodes' samples (each attempt's ``telemetry.jsonl``, ``telemetry.py``) and the
-    ranks' step windows (``steps/``, ``steps.py``) logged into the call's run by a thread of
-    the caller: every SYSTEM_METRICS_EVERY_S, each node's mean over the samples since the last
-    round, at the time of its last one, with the round as the step, and each rank's windows
-    at their last step; what is left when the run ends (``finish``). The ranks only write
-    files: they never wait for MLflow, however far or slow its server."""
+    """What each attempt's files hold, logged into the call's run by a thread of the caller:
+    rank 0's ``log_metrics`` (``metrics.jsonl``) as logged; the nodes' samples
+    (``telemetry.jsonl``, ``telemetry.py``), each node's mean over the samples since the last
+    round at the time of its last one, with the round as the step; the ranks' step windows
+    (``steps/``, ``steps.py``) at their last step. Every SYSTEM_METRICS_EVERY_S, and what is
+    left when the run ends (``finish``). The ranks only write files: they never wait for
+    MLflow, however far or slow its server."""
 
     def __init__(self, client: Any, run_id: str):
         self.client = client
         self.run_id = run_id
         self._files: list[telemetry.Follower] = []
+        self._metrics: list[telemetry.Follower] = []  # each attempt's log_metrics
         self._steps: list[tuple[steps.Reader, float]] = []  # each attempt's, with its threshold
         self._files_lock = threading.Lock()  # never held while MLflow is called
         self._round = threading.Lock()  # one round at a time
@@ -173,6 +175,7 @@ class SystemMetrics:
         """Log the samples and steps of an attempt too (its files, from their start)."""
         with self._files_lock:
             self._files.append(telemetry.Follower(attempt.folder.telemetry))
+            self._metrics.append(telemetry.Follower(attempt.folder.metrics_log, _parse_metric_lines))
             self._steps.append((steps.Reader(attempt.folder, attempt.world_size), attempt.threshold))
 
     def start(self) -> None:
@@ -196,10 +199,13 @@ class SystemMetrics:
 
         with self._round:
             with self._files_lock:
-                files, readers = list(self._files), list(self._steps)
+                files, readers, logged = list(self._files), list(self._steps), list(self._metrics)
             samples = [sample for follower in files for sample in follower.read()]
             metrics, tags = telemetry.mlflow_metrics(samples)
-            batch = [Metric(k, v, t, self._step) for k, v, t in metrics]
+            batch = [Metric(k, v, line["time"], line["step"])
+                     for follower in logged for line in follower.read()
+                     for k, v in line["metrics"].items()]
+            batch += [Metric(k, v, t, self._step) for k, v, t in metrics]
             for reader, threshold in readers:
                 windows = reader.read()
                 found = steps.compare(reader.recent, threshold) if windows else None
@@ -426,8 +432,10 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: s
     ``reduce="mean"`` or ``"max"`` first combines each value across ranks (a collective: call
     it at the same point on every rank); with None only rank 0's values are logged and the
     other ranks return at once. Rank 0's last step and values also go to the run folder's
-    ``progress.json``, tracked or not, for the caller's status line. Outside a gpufleet run
-    it does nothing. Counts as progress for ``hang_timeout``.
+    ``progress.json``, tracked or not, for the caller's status line. It never waits for
+    MLflow: the values are appended to the run folder, and the caller logs them into the run
+    (every SYSTEM_METRICS_EVERY_S, and at the call's end). Outside a gpufleet run it does
+    nothing. Counts as progress for ``hang_timeout``.
     """
     if reduce not in _REDUCTIONS:
         raise ConfigError(f"reduce={reduce!r} must be one of {', '.join(map(repr, _REDUCTIONS))}")
@@ -442,12 +450,54 @@ def log_metrics(metrics: dict[str, float], step: int | None = None, *, reduce: s
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if not (_environ.tracked() and run_id):
         return
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
+    _metric_lines.append(step, dict(zip(names, values)))
 
-    now = int(time.time() * 1000)
-    batch = [Metric(k, v, now, step or 0) for k, v in zip(names, values)]
-    _quietly(MlflowClient(os.environ.get("MLFLOW_TRACKING_URI")).log_batch, run_id, batch)
+
+class _MetricLines:
+    """Rank 0's metrics, one JSON line per ``log_metrics`` appended to the attempt's
+    ``metrics.jsonl`` (``{"time": ms, "step": 3, "metrics": {...}}``), which the caller's
+    ``SystemMetrics`` logs into the call's run: a step never waits for MLflow, however slow
+    or far its server, and what was logged before a crash or a kill is kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: tuple[Path, int] | None = None  # the file of this call, and its descriptor
+        self._failed = False
+
+    def append(self, step: int | None, metrics: dict[str, float]) -> None:
+        folder = _environ.run_dir()
+        if folder is None:
+            return
+        path = RunDir(folder).metrics_log
+        line = json.dumps({"time": int(time.time() * 1000), "step": int(step or 0), "metrics": metrics})
+        with self._lock:
+            try:
+                if self._open is None or self._open[0] != path:  # a warm rank's next call
+                    if self._open is not None:
+                        os.close(self._open[1])
+                        self._open = None
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+                    self._open = (path, fd)
+                os.write(self._open[1], (line + "\n").encode())
+            except OSError as exc:  # a full disk, say: the run goes on, its metrics untracked
+                if not self._failed:
+                    self._failed = True
+                    log.warning(f"metrics not recorded for MLflow: {exc}")
+
+
+_metric_lines = _MetricLines()  # per process: rank 0's
+
+
+def _parse_metric_lines(lines: list[bytes]) -> list[dict]:
+    found = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a damaged line costs that line only
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict):
+            found.append(entry)
+    return found
 
 
 class _ProgressNotes:

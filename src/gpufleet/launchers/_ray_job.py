@@ -214,13 +214,14 @@ class RayJob(Job):
 
     def _mirror(self, r: RankActor, answer: dict) -> None:
         """Into the caller's run folder, in the order the rank wrote: output, stacks,
-        heartbeat, telemetry, steps, progress, timings, result; the exit status last, once the rest
+        heartbeat, telemetry, steps, metrics, progress, timings, result; the exit status last, once the rest
         is here. Every node's telemetry lines go into the one file, each line tagged by node."""
         run, rank = self.run, r.rank
         _append(run.log(rank), answer.get("log"))
         _append(run.stacks(rank), answer.get("stacks"))
         _append(run.telemetry, answer.get("telemetry"))
         _append(run.steps(rank), answer.get("steps"))
+        _append(run.metrics_log, answer.get("metrics"))
         if answer.get("beat"):  # the caller's own clock: the nodes' may differ
             _touch(run.heartbeat(rank))
         if answer.get("started"):

@@ -134,6 +134,8 @@ class RankNode:
         # gathers every node's; a line still being written comes with the next poll
         answer["telemetry"] = self._whole_lines("telemetry", run.telemetry)
         answer["steps"] = self._whole_lines("steps", run.steps(rank))  # its step telemetry
+        if rank == 0:  # its log_metrics, which the caller logs into MLflow
+            answer["metrics"] = self._whole_lines("metrics", run.metrics_log)
         if drained and result is not None:
             answer["timings"] = _read(run.timings(rank))
             answer["result"], self._result_sent = result, True
