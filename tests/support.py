@@ -140,14 +140,33 @@ def line_of(path: str | Path, marker: str) -> int:
     return lines[0]
 
 
+_SHOWN = re.compile(r"^\[ranks? ([\d,-]+)\] ?(.*)$")
+
+
+def ranks_of(spec: str) -> list[int]:
+    """``0-3,6`` -> [0, 1, 2, 3, 6]: the ranks a shown line names."""
+    ranks: list[int] = []
+    for span in spec.split(","):
+        first, _, last = span.partition("-")
+        ranks += range(int(first), int(last or first) + 1)
+    return ranks
+
+
 def rank_lines(text: str, rank: int) -> list[str]:
-    """The lines printed as `[rank N] ...`, without the prefix."""
-    prefix = f"[rank {rank}] "
-    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+    """The lines shown for ``rank`` (``[rank N] ...``, or collapsed with other ranks' alike
+    ones as ``[ranks 0-3] ...``), without the prefix."""
+    lines = []
+    for line in text.splitlines():
+        found = _SHOWN.match(line)
+        if found and rank in ranks_of(found[1]):
+            lines.append(found[2])
+    return lines
 
 
 def prefixed_ranks(text: str) -> set[int]:
-    return {int(m) for m in re.findall(r"^\[rank (\d+)\]", text, flags=re.M)}
+    """The ranks that have a line shown in ``text``."""
+    return {rank for found in re.finditer(r"^\[ranks? ([\d,-]+)\]", text, flags=re.M)
+            for rank in ranks_of(found[1])}
 
 
 def rank_processes(pid_dir: Path) -> list[psutil.Process]:

@@ -159,7 +159,7 @@ class Run:
                 if latest != attempt and latest is not None:
                     if follower is not None:
                         follower.close()
-                    attempt, follower = latest, LogFollower(latest.log, world, shows, out)
+                    attempt, follower = latest, LogFollower(latest.log, world, shows, out, collapse=True)
                 if follower is not None:
                     follower.poll()
                 if ended:

@@ -4,11 +4,28 @@ A line rewritten with carriage returns (a tqdm bar: ``\r 45%|...`` updates, ``\n
 end) counts as what a terminal would show of it: the text after its last ``\r``. Until its
 ``\n`` comes it is the rank's *live* line, which the display may draw in place
 (``progress.py``); then it is printed once, finished.
+
+With ``collapse`` (the ``collapse_lines`` option) a finished line that several shown ranks
+print alike at about the same time is shown once, with its ranks: ``[ranks 0-7] loading``,
+``[ranks 0,2-3,6] x``; a line of one rank stays ``[rank 3] x``. Empty lines collapse too.
+Finished lines are held in a queue per rank, and shown only from the queues' fronts, so no
+rank's lines are ever reordered: a line at the front of every shown rank's queue is shown at
+once, for all of them; otherwise the line that has waited longest is shown once
+COLLAPSE_WINDOW_S has passed since it was read, for the ranks that have it at their front.
+Before that, a rank that holds it further back is caught up: the lines in its way are shown
+first, unless another rank holds them further back too (showing them would keep these ranks
+apart instead). A final poll, and ``close``, show every held line; HELD_BYTES bounds what
+is held. Unfinished (live) lines are not held, and with one shown rank nothing is. The
+per-rank logs keep every line: this is only what is shown (``gpufleet logs --follow``
+collapses too, as a call's caller does by default).
 """
 
 from __future__ import annotations
 
+import heapq
 import re
+import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
@@ -24,6 +41,14 @@ READ_BYTES = 4 * 2**20
 # An unfinished line longer than this (output with no newline: a binary dump, a huge JSON
 # line) is shown in pieces of this size rather than held whole.
 LINE_BYTES = 2**20
+# How long a finished line waits for the same line from the other shown ranks: long enough
+# for ranks that print in step (after a collective), short enough to still read as live.
+COLLAPSE_WINDOW_S = 0.3
+# The most memory that held lines may take, each counted as its text and _HELD_LINE_BYTES
+# (its objects): beyond it the oldest are shown without waiting, so ranks that flood
+# differing lines cost this much, not a window's worth of their output.
+HELD_BYTES = 16 * 2**20
+_HELD_LINE_BYTES = 128
 # What a crash dump (faulthandler) shows that is not the user's: the frames of the machinery
 # that started the rank (gpufleet, multiprocessing, elastic's wrappers) and the list of
 # loaded extension modules.
@@ -110,9 +135,123 @@ class _RankLog:
             self.file.close()
 
 
+def _prefix(ranks: list[int]) -> str:
+    """``[rank 3]``, or ``[ranks 0-3,6]`` for several (consecutive ranks as a range)."""
+    if len(ranks) == 1:
+        return f"[rank {ranks[0]}]"
+    ranks = sorted(ranks)
+    spans = []
+    start = ranks[0]
+    for rank, after in zip(ranks, [*ranks[1:], -1]):
+        if after != rank + 1:
+            spans.append(str(start) if start == rank else f"{start}-{rank}")
+            start = after
+    return f"[ranks {','.join(spans)}]"
+
+
+class _Held:
+    """The shown ranks' finished lines that were not shown yet, a queue per rank. Lines are
+    only ever shown from the front of the queues (the ranks' *heads*), so that which lines
+    go together is decided when they are shown, not when they are read: the order in which
+    the ranks' logs are read says nothing about the order in which they were written."""
+
+    def __init__(self, ranks: list[int]):
+        self._everyone = len(ranks)
+        self._queues: dict[int, deque[tuple[str, float]]] = {rank: deque() for rank in ranks}
+        self._shown = dict.fromkeys(ranks, 0)  # how many lines of each rank were shown
+        # (read at, rank, line number) of the heads, oldest first; those since shown are
+        # dropped when they come up
+        self._heads: list[tuple[float, int, int]] = []
+        self._at_head: dict[str, int] = {}  # how many ranks have each text as their head
+        self._complete: str | None = None  # the text that every shown rank has as its head
+        self._holders: dict[str, dict[int, int]] = {}  # which ranks hold each text, how many times
+        self._size = 0  # what the held lines take (HELD_BYTES)
+
+    def add(self, rank: int, lines: list[str], now: float) -> None:
+        queue = self._queues[rank]
+        had_head = bool(queue)
+        for text in lines:
+            queue.append((text, now))
+            holders = self._holders.setdefault(text, {})
+            holders[rank] = holders.get(rank, 0) + 1
+            self._size += len(text) + _HELD_LINE_BYTES
+        if queue and not had_head:
+            self._new_head(rank)
+
+    def due(self, now: float, final: bool = False) -> list[str]:
+        """The lines to show now: a text that every rank has as its head, at once; else, once
+        the oldest head is due (its window passed, ``final``, or more than HELD_BYTES held),
+        its text for the ranks that have it as their head. But when a rank holds that text
+        further back, the head in its way goes first if no rank holds that one further back
+        (so the rank catches up and joins); one that other ranks hold further back stays, as
+        showing it now would keep them apart instead."""
+        shown = []
+        while True:
+            if self._complete is not None:
+                text, self._complete = self._complete, None
+                shown.append(self._show(text, list(self._queues)))
+                continue
+            while self._heads and self._shown[self._heads[0][1]] != self._heads[0][2]:
+                heapq.heappop(self._heads)
+            if not self._heads:
+                return shown
+            read_at, rank, _ = self._heads[0]
+            if not (final or now - read_at >= COLLAPSE_WINDOW_S or self._size > HELD_BYTES):
+                return shown
+            text = self._head(rank)
+            if self._all_at_head(text) or not self._catch_up(text, shown):
+                shown.append(self._show(text, [r for r in self._holders[text] if self._head(r) == text]))
+
+    def _catch_up(self, text: str, shown: list[str]) -> bool:
+        """Show the heads in the way of the ranks that hold ``text`` further back, as long as
+        no rank holds them further back; whether any was."""
+        caught_up = False
+        for rank in self._holders[text]:
+            while (head := self._head(rank)) != text and self._all_at_head(head):
+                shown.append(self._show(head, list(self._holders[head])))
+                caught_up = True
+        return caught_up
+
+    def _all_at_head(self, text: str) -> bool:
+        """Whether every rank that holds ``text`` has it as its head (none would join later)."""
+        return self._at_head[text] == len(self._holders[text])
+
+    def _head(self, rank: int) -> str:
+        """The text of the rank's first held line (it holds one)."""
+        return self._queues[rank][0][0]
+
+    def _new_head(self, rank: int) -> None:
+        text, read_at = self._queues[rank][0]
+        heapq.heappush(self._heads, (read_at, rank, self._shown[rank]))
+        self._at_head[text] = self._at_head.get(text, 0) + 1
+        if self._at_head[text] == self._everyone:
+            self._complete = text
+
+    def _show(self, text: str, ranks: list[int]) -> str:
+        """Take ``text``, the head of each of ``ranks``, off their queues: one shown line."""
+        holders = self._holders[text]
+        for rank in ranks:
+            self._queues[rank].popleft()
+            self._shown[rank] += 1
+            holders[rank] -= 1
+            if not holders[rank]:
+                del holders[rank]
+        if not holders:
+            del self._holders[text]
+        self._size -= len(ranks) * (len(text) + _HELD_LINE_BYTES)
+        self._at_head[text] -= len(ranks)
+        if not self._at_head[text]:
+            del self._at_head[text]
+        for rank in ranks:  # after every rank let go of this head: it may be their next one too
+            if self._queues[rank]:
+                self._new_head(rank)
+        return f"{_prefix(ranks)} {text}"
+
+
 class LogFollower:
-    """Hands new lines of ``logs/rank-N.log`` to the display as ``[rank N] line``, and each
-    rank's unfinished line as its live line, for the shown ranks."""
+    """Hands new lines of ``logs/rank-N.log`` to the display as ``[rank N] line`` (or
+    ``[ranks 0-3] line``, collapsed), and each rank's unfinished line as its live line, for
+    the shown ranks."""
 
     def __init__(
         self,
@@ -121,33 +260,49 @@ class LogFollower:
         shows: Callable[[int], bool],
         out: TextIO | None = None,
         display: PlainDisplay | None = None,
+        *,
+        collapse: bool = False,
     ):
         """``display``: where lines go (``progress.open_display()``); default: printed to
-        ``out`` (``sys.stdout`` at each write)."""
+        ``out`` (``sys.stdout`` at each write). ``collapse``: show a line that several ranks
+        print alike once (the module's docstring); with one shown rank there is nothing to
+        collapse, and nothing is held."""
         self._logs = {rank: _RankLog(path_of(rank)) for rank in range(world_size)}
         self._shows = shows
         self._display = display or PlainDisplay(out)
+        shown = [rank for rank in range(world_size) if shows(rank)]
+        self._held = _Held(shown) if collapse and len(shown) > 1 else None
 
     def poll(self, final: bool = False) -> bool:
         """Show what was written since the last poll, up to READ_BYTES of each rank's log (a
         rank that writes faster is caught up with over the next polls); ``final`` also ends
-        partial lines. True when any rank wrote anything, shown or not (a sign of progress)."""
-        finished: list[str] = []
+        partial lines and shows every held line. True when any rank wrote anything, shown or
+        not (a sign of progress)."""
+        now = time.monotonic()
+        held = self._held
+        # what waited out its window before these reads: no line read now may join it
+        finished = held.due(now) if held is not None else []
         wrote = False
         for rank, log in self._logs.items():
             lines = log.read_lines(final)
             wrote = wrote or log.grew
             if self._shows(rank):
-                finished += [f"[rank {rank}] {line}" for line in lines]
+                if held is not None:
+                    held.add(rank, lines, now)
+                else:
+                    finished += [f"[rank {rank}] {line}" for line in lines]
                 if log.grew or final:
                     self._display.live(rank, log.live and f"[rank {rank}] {log.live}")
+        if held is not None:
+            finished += held.due(now, final)
         if finished:
             self._display.write(finished)
         return wrote
 
     def close(self) -> None:
-        """Show what the logs hold now, a piece at a time, then each unfinished line. What a
-        process a rank left behind writes meanwhile is not waited for: close always returns."""
+        """Show what the logs hold now, a piece at a time, then each unfinished line and every
+        held line. What a process a rank left behind writes meanwhile is not waited for: close
+        always returns."""
         pieces = max((log.unread() for log in self._logs.values()), default=0) // READ_BYTES
         for _ in range(pieces):
             self.poll()
