@@ -133,9 +133,8 @@ def test_a_loader_whose_dataset_sleeps_is_reported_input_bound(runs_dir, tmp_pat
         model = torch.nn.Linear(4, 1)
         for epoch in range(4):
             dataset.set_epoch(epoch)
-            for batch in loader:
+            for batch in loader:  # no trainer, no runtime.step(): each batch is a step
                 model(batch).sum().backward()
-                runtime.step()  # one line: this loop has no trainer
         return True
 
     screen = terminal_stdout(monkeypatch)
@@ -145,9 +144,37 @@ def test_a_loader_whose_dataset_sleeps_is_reported_input_bound(runs_dir, tmp_pat
     assert any(re.search(r"input-bound: 2 ranks wait 9\d% for data", line) for line in statuses), statuses[-8:]
     summary = summary_of(run_folders(runs_dir)[-1])
     assert all(row["input_wait_share"] > 0.8 for row in summary["ranks"]), summary
+    assert [row["steps"] for row in summary["ranks"]] == [80, 80], "4 epochs of 20 batches"
+    assert [row["samples"] for row in summary["ranks"]] == [160, 160]
     assert summary["straggler"] is None, "both ranks wait alike: nobody is the straggler"
     shown = status_json(runs_dir, run_folders(runs_dir)[-1].parent.name)["steps"]
     assert sorted(shown["input_bound_ranks"]) == [0, 1]
+
+
+def test_one_line_in_a_hand_written_loop_names_the_straggler(runs_dir):
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False)
+    def loop():
+        import time
+
+        import torch
+
+        runtime.setup()
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(50):
+            if runtime.get_global_rank() == 0:
+                time.sleep(0.05)  # rank 0's data augmentation, say, before its forward pass
+            model(torch.randn(16, 8)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            runtime.step(samples=16)
+        return True
+
+    loop.distributed()
+    summary = summary_of(run_folders(runs_dir)[-1])
+    assert summary["straggler"] == 0
+    assert [row["steps"] for row in summary["ranks"]] == [50, 50]
+    assert [row["samples"] for row in summary["ranks"]] == [800, 800]
 
 
 def test_with_step_the_gap_between_steps_is_input_wait_and_the_total_gives_an_eta(runs_dir, monkeypatch):

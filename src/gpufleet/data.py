@@ -236,7 +236,8 @@ class ResumableLoader:
 
 
 def _timed(loader: DataLoader) -> Iterator[Any]:
-    """The loader's batches, each one's wait (and size) told to the step telemetry."""
+    """The loader's batches, each one's wait (and size) told to the step telemetry; asking for
+    the next batch ends a step when nothing else counts them (``steps.fetching``)."""
     began = time.perf_counter()
     batches = iter(loader)  # starting the workers is waiting for input too
     while True:
@@ -244,9 +245,9 @@ def _timed(loader: DataLoader) -> Iterator[Any]:
             batch = next(batches)
         except StopIteration:
             return
-        now = time.perf_counter()
-        steps.waited(now - began, _batch_size(batch))
+        steps.waited(time.perf_counter() - began, _batch_size(batch))
         yield batch
+        steps.fetching()
         began = time.perf_counter()
 
 

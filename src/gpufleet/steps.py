@@ -57,14 +57,17 @@ from gpufleet import _environ, telemetry
 from gpufleet._log import log
 from gpufleet.rundir import RunDir
 
+# What ends a step, strongest first: runtime.step(), the strategies' trainer, the loader's
+# next batch. The strongest seen in a call counts steps: none is ever counted twice.
+USER, TRAINER, LOADER = "runtime.step", "trainer", "loader"
 WINDOW_S = 1.0  # one line per rank per window: a 20 ms step costs a write every 50 steps
 SLOWEST_KEPT = 3  # slowest steps kept per window, and in the summary
 PENDING_EVENTS = 256  # GPU event pairs waiting to be read; older ones are dropped
 RECENT_WINDOWS = 5  # what the live comparison looks at, per rank (about 5 s)
 MIN_WINDOWS = 3  # a rank is named a straggler only with this many windows seen
 TAIL_BYTES = 16 * 1024  # what ``recent_in`` reads of each rank's file: its last windows
-INPUT_BOUND_SHARE = 0.25
-SHOWN_LATE_SHARE = 0.05  # the slowest rank is shown from this lateness (a share of a step) on  # a rank waiting for input this share of its time is input-bound
+INPUT_BOUND_SHARE = 0.25  # a rank waiting for input this share of its time is input-bound
+SHOWN_LATE_SHARE = 0.05  # the slowest rank is shown from this lateness (a share of a step) on
 
 
 # ---------------------------------------------------------------------------- the rank's side
@@ -90,7 +93,7 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.fd: int | None = None
-        self.user_driven = False  # runtime.step() was called: the trainer's ends are ignored
+        self.driver: str | None = None  # what ends steps: USER, TRAINER or LOADER (see DRIVERS)
         self.local_backward = False  # the next backward pass does not sync (grad_accum)
 
     # -- the call -----------------------------------------------------------------------
@@ -107,7 +110,8 @@ class _Recorder:
             return
         self.rank, self.node, self.host = rank, _environ.node_rank(), socket.gethostname()
         self.gpu: str | None = None
-        self.user_driven = self.local_backward = False
+        self.driver = None
+        self.local_backward = False
         self.count = 0  # steps ended
         self.total: int | None = None
         self.start: float | None = None  # perf_counter of this step's start; None: not begun
@@ -322,16 +326,31 @@ def step(samples: int | None = None, tokens: int | None = None, total: int | Non
     if r.fd is not None:
         if total is not None:
             r.total = int(total)
-        r.user_driven = True
+        r.driver = USER
         r.commit()
         r.deferred = (time.perf_counter(), samples, tokens)
     return Step(samples, tokens)
 
 
+def trainer_ready() -> None:
+    """A ``Prepared`` exists: its optimizer steps are the steps, unless the user counts them."""
+    if recording() and _recorder.driver != USER:
+        _recorder.driver = TRAINER
+
+
 def trainer_step() -> None:
-    """``Prepared.step()`` stepped the optimizer: a step ends, unless the user counts them."""
-    if recording() and not _recorder.user_driven:
+    """``Prepared.step()`` stepped the optimizer."""
+    if recording() and _recorder.driver == TRAINER:
         _recorder.ended(time.perf_counter())
+
+
+def fetching() -> None:
+    """The gpufleet loader is asked for a batch: with nothing else counting steps, the last
+    batch's step ends here."""
+    r = _recorder
+    if recording() and r.driver in (None, LOADER):
+        r.driver = LOADER
+        r.ended(time.perf_counter())
 
 
 def backward_is_local(local: bool) -> None:
@@ -438,6 +457,7 @@ class _Totals:
     arrive_medians: array = field(default_factory=lambda: array("d"))
     slowest: list[tuple[int, float]] = field(default_factory=list)
     samples: int | None = None
+    memory_peak_bytes: int | None = None
     where: dict = field(default_factory=dict)
 
     def add(self, window: dict) -> None:
@@ -453,6 +473,8 @@ class _Totals:
                               key=lambda s: -s[1])[:SLOWEST_KEPT]
         if window.get("samples") is not None:
             self.samples = (self.samples or 0) + window["samples"]
+        if window.get("memory_peak_bytes") is not None:
+            self.memory_peak_bytes = max(self.memory_peak_bytes or 0, window["memory_peak_bytes"])
         self.where = {k: window.get(k) for k in ("host", "gpu", "node")}
 
 
@@ -648,7 +670,7 @@ class Summary:
                 "median_step_s": _stat(t.step_medians),
                 "median_arrive_s": _stat(t.arrive_medians),
                 "input_wait_share": round(t.input_s / t.wall_s, 4) if t.wall_s else None,
-                "samples": t.samples,
+                "samples": t.samples, "gpu_memory_peak_bytes": t.memory_peak_bytes,
                 "slowest_steps": [{"step": s, "seconds": round(v, 6)} for s, v in t.slowest],
             })
         steps = [r["median_step_s"] for r in rows if r["median_step_s"] is not None]
@@ -672,17 +694,21 @@ class Summary:
         write_private(path, (json.dumps(data, indent=1) + "\n").encode())
 
     def table(self) -> str:
-        """``rank  host  GPU  steps  median step  input wait  late  slowest steps`` per rank."""
-        head = ("rank", "host", "GPU", "steps", "median step", "input wait", "late", "slowest steps")
+        """``rank  host  GPU  steps  median step  input wait  late  [peak GPU memory]  slowest
+        steps`` per rank."""
+        memory = any(r.get("gpu_memory_peak_bytes") for r in self.ranks)
+        head = ("rank", "host", "GPU", "steps", "median step", "input wait", "late",
+                *(("peak GPU memory",) if memory else ()), "slowest steps")
         rows = [head]
         for r in self.ranks:
-            late = r.get("late_s")
+            late, peak = r.get("late_s"), r.get("gpu_memory_peak_bytes")
             rows.append((
                 str(r["rank"]), str(r.get("host") or "-"), str(r.get("gpu") or "-"),
                 str(r["steps"]), _seconds(r["median_step_s"]),
                 "-" if r["input_wait_share"] is None else f"{r['input_wait_share']:.0%}",
                 "-" if late is None else f"{'+' if late >= 0 else '-'}{_seconds(abs(late))}"
                 + (" straggler" if r["rank"] == self.straggler else ""),
+                *((f"{peak / 2**30:.1f} GiB" if peak else "-",) if memory else ()),
                 ", ".join(f"#{s['step']} {_seconds(s['seconds'])}" for s in r["slowest_steps"]),
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
