@@ -274,3 +274,15 @@ def test_the_status_parts_and_the_summary_table():
     assert parts[3] == "straggler rank 1 (h, GPU 1) +40% of a step late"
     assert parts[4] == "input-bound: rank 1 waits 60% for data"
     assert "ETA" not in " ".join(steps.describe(found, running=False))
+
+
+def test_the_printed_summary_of_many_ranks_keeps_the_latest():
+    rows = [{"rank": r, "host": "h", "gpu": str(r), "steps": 10, "median_step_s": 0.1,
+             "median_arrive_s": 0.01, "input_wait_share": 0.0, "samples": None,
+             "gpu_memory_peak_bytes": 2**30, "slowest_steps": [{"step": 1, "seconds": 0.2}],
+             "late_s": 0.05 if r == 3 else 0.0} for r in range(64)]
+    table = steps.Summary(rows, straggler=3).table().splitlines()
+    assert len(table) == 1 + steps.SUMMARY_ROWS + 1, "a header, the rows shown, and what is left out"
+    assert any(re.fullmatch(r"\s+3\s+h\s+3\s+10\s+100\.0 ms\s+0%\s+\+50\.0 ms straggler\s+1\.0 GiB\s+"
+                            r"#1 200\.0 ms", line) for line in table), table
+    assert table[-1] == "  (56 more ranks, less late, in steps.json)"

@@ -67,6 +67,7 @@ RECENT_WINDOWS = 5  # what the live comparison looks at, per rank (about 5 s)
 MIN_WINDOWS = 3  # a rank is named a straggler only with this many windows seen
 TAIL_BYTES = 16 * 1024  # what ``recent_in`` reads of each rank's file: its last windows
 INPUT_BOUND_SHARE = 0.25  # a rank waiting for input this share of its time is input-bound
+SUMMARY_ROWS = 8  # ranks in the printed summary at most (steps.json has every one)
 SHOWN_LATE_SHARE = 0.05  # the slowest rank is shown from this lateness (a share of a step) on
 
 
@@ -695,12 +696,16 @@ class Summary:
 
     def table(self) -> str:
         """``rank  host  GPU  steps  median step  input wait  late  [peak GPU memory]  slowest
-        steps`` per rank."""
-        memory = any(r.get("gpu_memory_peak_bytes") for r in self.ranks)
+        steps`` per rank: SUMMARY_ROWS at most, the latest ones."""
+        shown = self.ranks
+        if len(shown) > SUMMARY_ROWS:  # the latest ranks, the straggler first among them
+            latest = sorted(shown, key=lambda r: -(r.get("late_s") or 0.0))[:SUMMARY_ROWS]
+            shown = sorted(latest, key=lambda r: r["rank"])
+        memory = any(r.get("gpu_memory_peak_bytes") for r in shown)
         head = ("rank", "host", "GPU", "steps", "median step", "input wait", "late",
                 *(("peak GPU memory",) if memory else ()), "slowest steps")
         rows = [head]
-        for r in self.ranks:
+        for r in shown:
             late, peak = r.get("late_s"), r.get("gpu_memory_peak_bytes")
             rows.append((
                 str(r["rank"]), str(r.get("host") or "-"), str(r.get("gpu") or "-"),
@@ -712,8 +717,10 @@ class Summary:
                 ", ".join(f"#{s['step']} {_seconds(s['seconds'])}" for s in r["slowest_steps"]),
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-        return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                         for row in rows)
+        lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        if len(shown) < len(self.ranks):
+            lines.append(f"  ({len(self.ranks) - len(shown)} more ranks, less late, in steps.json)")
+        return "\n".join(lines)
 
 
 def _stat(values: array) -> float | None:
