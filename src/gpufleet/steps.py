@@ -60,6 +60,11 @@ from gpufleet.rundir import RunDir
 # What ends a step, strongest first: runtime.step(), the strategies' trainer, the loader's
 # next batch. The strongest seen in a call counts steps: none is ever counted twice.
 USER, TRAINER, LOADER = "runtime.step", "trainer", "loader"
+# Where a step may first meet the other ranks, timed from its start: its first forward pass
+# (FSDP's and ZeRO-3's parameter all-gathers, DDP's buffer broadcast) and its first
+# gradient-syncing backward pass (DDP's all-reduce, FSDP's reduce-scatter, ZeRO's reduce).
+FORWARD, BACKWARD = "forward", "backward"
+MARKS = (FORWARD, BACKWARD)
 WINDOW_S = 1.0  # one line per rank per window: a 20 ms step costs a write every 50 steps
 SLOWEST_KEPT = 3  # slowest steps kept per window, and in the summary
 PENDING_EVENTS = 256  # GPU event pairs waiting to be read; older ones are dropped
@@ -81,7 +86,7 @@ class _Window:
     start: float  # perf_counter
     first: int  # its first step's number
     step_s: list[float] = field(default_factory=list)
-    arrive_s: list[float] = field(default_factory=list)
+    marks: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MARKS})
     slowest: list[tuple[int, float]] = field(default_factory=list)
     wall_s: float = 0.0
     input_s: float = 0.0
@@ -116,14 +121,14 @@ class _Recorder:
         self.count = 0  # steps ended
         self.total: int | None = None
         self.start: float | None = None  # perf_counter of this step's start; None: not begun
-        self.arrived: float | None = None
+        self.marks: dict[str, float] = {}  # this step's marks (MARKS), perf_counter
         self.in_step = False  # inside ``with runtime.step()``
         self.deferred: tuple[float, int | None, int | None] | None = None  # runtime.step()'s end
         self.input_s = 0.0
         self.samples: int | None = None
         self.tokens: int | None = None
-        self.events: tuple[Any, Any] | None = None  # this step's (start, arrival) CUDA events
-        self.pending: deque[tuple[Any, Any]] = deque()  # ended steps' events, not read yet
+        self.events: dict[str, Any] | None = None  # this step's CUDA events: "start", marks
+        self.pending: deque[dict[str, Any]] = deque()  # ended steps' events, not read yet
         self.cuda: Any = None  # torch.cuda once the rank uses a GPU
         self.window = _Window(time.perf_counter(), 1)
         _hook_backward()
@@ -144,16 +149,15 @@ class _Recorder:
 
     def began(self, now: float) -> None:
         """The step starts now (the first event of a call, or ``with runtime.step()``)."""
-        self.start, self.arrived, self.input_s = now, None, 0.0
+        self.start, self.marks, self.input_s = now, {}, 0.0
         self.samples = self.tokens = None
         self.events = None
         if not _hooked:
             _hook_backward()
         cuda = self._cuda()
         if cuda is not None:
-            start = cuda.Event(enable_timing=True)
-            start.record()
-            self.events = (start, None)
+            self.events = {"start": cuda.Event(enable_timing=True)}
+            self.events["start"].record()
 
     def commit(self) -> None:
         """The end ``runtime.step()`` noted is a step's end (no ``with`` followed the call)."""
@@ -170,21 +174,20 @@ class _Recorder:
         if samples is not None:
             self.samples = (self.samples or 0) + samples
 
-    def arrive(self) -> None:
-        """A backward pass starts: the step's gradient collective, unless it stays local."""
-        if self.local_backward:
-            self.local_backward = False
+    def mark(self, name: str) -> None:
+        """The step reached ``name`` (one of MARKS); its first time in the step counts."""
+        if name == BACKWARD and self.local_backward:
+            self.local_backward = False  # a micro-batch that keeps its gradients local
             return
         self.commit()
         if self.start is None:
             self.began(time.perf_counter())
-        if self.arrived is not None:
+        if name in self.marks:
             return
-        self.arrived = time.perf_counter()
+        self.marks[name] = time.perf_counter()
         if self.events is not None:
-            arrival = self.cuda.Event(enable_timing=True)
-            arrival.record()
-            self.events = (self.events[0], arrival)
+            self.events[name] = self.cuda.Event(enable_timing=True)
+            self.events[name].record()
 
     def ended(self, now: float, samples: int | None = None, tokens: int | None = None) -> None:
         """The step ended at ``now`` (``time.perf_counter()``)."""
@@ -206,38 +209,42 @@ class _Recorder:
             w.samples = (w.samples or 0) + self.samples
         if self.tokens is not None:
             w.tokens = (w.tokens or 0) + self.tokens
-        if self.events is not None and self.events[1] is not None:
+        if self.events is not None and len(self.events) > 1:  # timed on the GPU, read once done
             self.pending.append(self.events)
             if len(self.pending) > PENDING_EVENTS:
                 self.pending.popleft()
-        else:  # no GPU, or no backward pass: the clock's arrival (the step's end without one)
-            w.arrive_s.append((self.arrived or now) - self.start)
+        else:  # no GPU: the clock's
+            for name, at in self.marks.items():
+                w.marks[name].append(at - self.start)
+        if BACKWARD not in self.marks and (self.events is None or len(self.events) == 1):
+            w.marks[BACKWARD].append(now - self.start)  # no backward pass: it arrives at its end
         if now - w.start >= WINDOW_S:
             self._flush(now)
         self.began(now)
 
     # -- windows ------------------------------------------------------------------------
 
-    def late_arrivals(self, final: bool = False) -> list[float]:
-        """Arrivals the GPU has timed since the last window (in seconds); ``final``: all of
-        them, waiting for the GPU (the call has ended)."""
-        found = []
-        while self.pending and (final or self.pending[0][1].query()):
-            start, arrival = self.pending.popleft()
-            found.append(start.elapsed_time(arrival) / 1000)
-        return found
+    def timed_on_gpu(self, final: bool = False) -> None:
+        """Move the marks the GPU has timed since the last window into it (in seconds);
+        ``final``: all of them, waiting for the GPU (the call has ended)."""
+        while self.pending and (final or all(e.query() for e in self.pending[0].values())):
+            events = self.pending.popleft()
+            start = events.pop("start")
+            for name, event in events.items():
+                self.window.marks[name].append(start.elapsed_time(event) / 1000)
 
     def _flush(self, now: float, final: bool = False) -> None:
         w, fd = self.window, self.fd
         assert fd is not None
-        arrive_s = w.arrive_s + self.late_arrivals(final)
+        self.timed_on_gpu(final)
         line = {
             "rank": self.rank, "node": self.node, "host": self.host, "gpu": self._gpu(),
             "time": time.time(), "first": w.first, "last": self.count,
             "steps": len(w.step_s), "wall_s": round(w.wall_s, 6),
             "step_s": _median(w.step_s), "step_max_s": max(w.step_s, default=None),
             "slowest": sorted(w.slowest, key=lambda s: -s[1])[:SLOWEST_KEPT],
-            "input_s": round(w.input_s, 6), "arrive_s": _median(arrive_s),
+            "input_s": round(w.input_s, 6), "forward_s": _median(w.marks[FORWARD]),
+            "arrive_s": _median(w.marks[BACKWARD]),
             "samples": w.samples, "tokens": w.tokens, "total": self.total, **self._memory(),
         }
         self.window = _Window(now, self.count + 1)
@@ -333,10 +340,20 @@ def step(samples: int | None = None, tokens: int | None = None, total: int | Non
     return Step(samples, tokens)
 
 
-def trainer_ready() -> None:
-    """A ``Prepared`` exists: its optimizer steps are the steps, unless the user counts them."""
-    if recording() and _recorder.driver != USER:
+def trainer_ready(model: Any) -> None:
+    """A ``Prepared`` exists: its optimizer steps are the steps, unless the user counts them,
+    and its model's forward pass is a mark, taken before the strategy's own hooks (FSDP's
+    all-gather) run."""
+    if not recording():
+        return
+    if _recorder.driver != USER:
         _recorder.driver = TRAINER
+    model.register_forward_pre_hook(_forward_started, prepend=True)
+
+
+def _forward_started(module: Any, args: Any) -> None:
+    if _recorder.fd is not None:
+        _recorder.mark(FORWARD)
 
 
 def trainer_step() -> None:
@@ -382,7 +399,7 @@ def _hook_backward() -> None:
     @functools.wraps(original)
     def backward(*args, **kwargs):
         if _recorder.fd is not None:
-            _recorder.arrive()
+            _recorder.mark(BACKWARD)
         return original(*args, **kwargs)
 
     torch.autograd.backward = backward
@@ -456,6 +473,7 @@ class _Totals:
     input_s: float = 0.0
     step_medians: array = field(default_factory=lambda: array("d"))
     arrive_medians: array = field(default_factory=lambda: array("d"))
+    forward_medians: array = field(default_factory=lambda: array("d"))
     slowest: list[tuple[int, float]] = field(default_factory=list)
     samples: int | None = None
     memory_peak_bytes: int | None = None
@@ -470,6 +488,8 @@ class _Totals:
             self.step_medians.append(window["step_s"])
         if window.get("arrive_s") is not None:
             self.arrive_medians.append(window["arrive_s"])
+        if window.get("forward_s") is not None:
+            self.forward_medians.append(window["forward_s"])
         self.slowest = sorted([*self.slowest, *map(tuple, window.get("slowest") or ())],
                               key=lambda s: -s[1])[:SLOWEST_KEPT]
         if window.get("samples") is not None:
@@ -488,7 +508,8 @@ class RankView:
     gpu: str | None
     step: int  # its last step
     step_s: float | None  # median step time
-    arrive_s: float | None  # median time to reach the step's collective
+    arrive_s: float | None  # median time to reach the step's syncing backward pass
+    forward_s: float | None  # median time to reach its first forward pass (the trainer's)
     input_share: float  # of its time, waiting for input
     late_s: float | None = None  # arrive_s minus the other ranks' median arrive_s
     windows: int = 0
@@ -496,7 +517,8 @@ class RankView:
     def as_dict(self, found: Comparison) -> dict:
         share = found.late_share(self)
         return {"rank": self.rank, "host": self.host, "gpu": self.gpu, "step": self.step,
-                "step_s": self.step_s, "arrive_s": self.arrive_s, "late_s": self.late_s,
+                "step_s": self.step_s, "forward_s": self.forward_s, "arrive_s": self.arrive_s,
+                "late_s": self.late_s,
                 "late_share": None if share is None else round(share, 4),
                 "input_wait_share": round(self.input_share, 4)}
 
@@ -560,6 +582,7 @@ def compare(recent: Mapping[int, Iterable[dict]], threshold: float) -> Compariso
             rank=rank, host=last.get("host"), gpu=last.get("gpu"), step=last.get("last") or 0,
             step_s=statistics.median(steps) if steps else None,
             arrive_s=statistics.median(arrivals) if arrivals else None,
+            forward_s=_median_of(windows, "forward_s"),
             input_share=(sum(w.get("input_s") or 0.0 for w in windows) / wall) if wall else 0.0,
             windows=len(windows),
         ))
@@ -597,10 +620,29 @@ def _rates(windows: list[dict], wall: float) -> tuple[float | None, float | None
 
 
 def _with_lateness(view: RankView, views: list[RankView]) -> RankView:
-    others = [v.arrive_s for v in views if v.rank != view.rank and v.arrive_s is not None]
-    if view.arrive_s is None or not others:
-        return view
-    return RankView(**{**view.__dict__, "late_s": view.arrive_s - statistics.median(others)})
+    """The view with its lateness: at each mark, its time minus the other ranks' median;
+    the latest of the marks counts (a rank late at its forward pass holds FSDP's
+    all-gather, one late at its backward pass DDP's all-reduce)."""
+    late = _lateness({m: getattr(view, KEYS[m]) for m in MARKS},
+                     [{m: getattr(v, KEYS[m]) for m in MARKS} for v in views if v.rank != view.rank])
+    return view if late is None else RankView(**{**view.__dict__, "late_s": late})
+
+
+KEYS = {FORWARD: "forward_s", BACKWARD: "arrive_s"}  # each mark's field in lines and views
+
+
+def _lateness(own: dict[str, float | None], others: list[dict[str, float | None]]) -> float | None:
+    found = []
+    for mark in MARKS:
+        mine, theirs = own[mark], [t for o in others if (t := o[mark]) is not None]
+        if mine is not None and theirs:
+            found.append(mine - statistics.median(theirs))
+    return max(found) if found else None
+
+
+def _median_of(windows: list[dict], key: str) -> float | None:
+    values = [w[key] for w in windows if w.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def _sum_or_none(values: Iterable[float | None]) -> float | None:
@@ -669,6 +711,7 @@ class Summary:
             rows.append({
                 "rank": rank, **t.where, "steps": t.last,
                 "median_step_s": _stat(t.step_medians),
+                "median_forward_s": _stat(t.forward_medians),
                 "median_arrive_s": _stat(t.arrive_medians),
                 "input_wait_share": round(t.input_s / t.wall_s, 4) if t.wall_s else None,
                 "samples": t.samples, "gpu_memory_peak_bytes": t.memory_peak_bytes,
@@ -677,12 +720,13 @@ class Summary:
         steps = [r["median_step_s"] for r in rows if r["median_step_s"] is not None]
         step_s = statistics.median(steps) if steps else None
         straggler = None
+        marks = {FORWARD: "median_forward_s", BACKWARD: "median_arrive_s"}
         for row in rows:
-            others = [r["median_arrive_s"] for r in rows
-                      if r is not row and r["median_arrive_s"] is not None]
-            if row["median_arrive_s"] is None or not others:
+            late = _lateness({m: row[k] for m, k in marks.items()},
+                             [{m: r[k] for m, k in marks.items()} for r in rows if r is not row])
+            if late is None:
                 continue
-            row["late_s"] = round(row["median_arrive_s"] - statistics.median(others), 6)
+            row["late_s"] = round(late, 6)
             if step_s and row["late_s"] >= threshold * step_s and (
                     straggler is None or row["late_s"] > rows[straggler]["late_s"]):
                 straggler = row["rank"]
@@ -747,7 +791,7 @@ def mlflow_metrics(windows: list[dict],
     for w in windows:
         stamp, step, name = int(w["time"] * 1000), w.get("last") or 0, f"steps/rank{w['rank']}"
         wall = w.get("wall_s") or 0.0
-        values = {"step_s": w.get("step_s"), "arrive_s": w.get("arrive_s"),
+        values = {"step_s": w.get("step_s"), "forward_s": w.get("forward_s"), "arrive_s": w.get("arrive_s"),
                   "input_wait_share": (w.get("input_s") or 0.0) / wall if wall else None,
                   "samples_per_s": w["samples"] / wall if wall and w.get("samples") is not None else None}
         metrics += [(f"{name}/{k}", float(v), stamp, step) for k, v in values.items() if v is not None]

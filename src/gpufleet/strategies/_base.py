@@ -126,7 +126,7 @@ class Prepared:
         self.micro_steps = 0  # backward passes so far
         self._grad_norm: torch.Tensor | None = None
         self._set_gradient_sync(self._syncs_next())
-        steps.trainer_ready()  # the step telemetry counts optimizer steps
+        steps.trainer_ready(model)  # the step telemetry counts optimizer steps, times forwards
 
     # -- the training loop --------------------------------------------------------------------
 
