@@ -112,6 +112,33 @@ def test_a_slow_rank_is_named_a_straggler_with_no_code_change(runs_dir, tmp_path
             "steps/step_s_p50", "steps/step_s_max"} <= set(tracked.data.metrics)
 
 
+def test_under_fsdp_a_rank_late_to_its_forward_pass_is_the_straggler(runs_dir):
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False)
+    def train():
+        import time
+
+        import torch
+
+        from gpufleet import strategies
+
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        prepared = strategies.prepare(model, lambda p: torch.optim.SGD(p, lr=0.01), "fsdp")
+        for _ in range(40):
+            if runtime.get_global_rank() == 1:
+                time.sleep(0.08)  # a slow host: the other rank waits in FSDP's forward all-gather
+            prepared.backward(prepared.model(torch.randn(4, 16)).pow(2).mean())
+            prepared.step()
+        return True
+
+    train.distributed()
+    summary = summary_of(run_folders(runs_dir)[-1])
+    by_rank = {row["rank"]: row for row in summary["ranks"]}
+    assert summary["straggler"] == 1, summary
+    assert by_rank[1]["median_forward_s"] - by_rank[0]["median_forward_s"] > 0.06
+    assert abs(by_rank[1]["median_arrive_s"] - by_rank[0]["median_arrive_s"]) < 0.03, (
+        "by its backward pass rank 1 is on time: rank 0 waited for it in the all-gather")
+
+
 def test_a_loader_whose_dataset_sleeps_is_reported_input_bound(runs_dir, tmp_path, monkeypatch):
     for i in range(80):
         (tmp_path / f"sample-{i:03d}.txt").write_text(str(i))

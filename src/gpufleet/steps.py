@@ -1,21 +1,23 @@
 """Step telemetry: how long each rank's steps take, how long it waited for input, and when it
-reached the step's gradient collective, so that the caller can name the rank the others wait for.
+reached the step's collectives, so that the caller can name the rank the others wait for.
 
-Why the arrival: in data-parallel training every rank leaves a step's collective (DDP's
+Why the marks: in data-parallel training every rank leaves a step's collective (DDP's
 all-reduce, FSDP's reduce-scatter, ZeRO's) at the same moment, so every rank's step time is the
 same, the slow rank's included: the collective hides it. What differs is when each rank
-*reaches* the collective. Each rank takes the time from its step's start to the start of the
-step's gradient-syncing backward pass (``arrive_s``): input wait plus the forward pass (and the
-micro-batches that do not sync). A rank whose ``arrive_s`` is consistently later than the other
-ranks' median by ``straggler_threshold`` of a step is the straggler. On a GPU that time is taken
-on the GPU's own timeline (two CUDA events, read once done, never waited for), since the CPU
+*reaches* a collective. Each rank takes the time from its step's start to two marks: its first
+forward pass (``forward_s``: FSDP's and ZeRO-3's parameter all-gathers, DDP's buffer broadcast;
+the strategies' trainer only) and the start of its gradient-syncing backward pass
+(``arrive_s``). A rank whose time to a mark is consistently later than the other ranks' median
+at that mark by ``straggler_threshold`` of a step is the straggler. On a GPU these times are
+taken on the GPU's own timeline (CUDA events, read once done, never waited for), since the CPU
 runs ahead of it; on CPU, by the clock. A step without a backward pass (evaluation, a loop
-with no collective) arrives at its end: its step time is then what compares ranks.
+with no collective) reaches that mark at its end: its step time then compares ranks.
 
 Where the steps come from, with no code change: the strategies' ``Prepared`` ends a step at
 each optimizer step and marks which backward passes sync; ``gpufleet.data``'s loader times each
 batch's wait and counts its samples; a backward pass anywhere (``torch.autograd.backward``,
-which ``loss.backward()`` calls, wrapped while a call runs) marks the arrival. With one line
+which ``loss.backward()`` calls, wrapped while a call runs) is the backward mark, a forward
+pre-hook on the trainer's model the forward mark. With one line
 otherwise: ``runtime.step()`` at the end of each step, or ``with runtime.step():`` around it
 (the time between two steps then counts as input wait). Steps are counted from 1 in each call.
 
@@ -25,11 +27,12 @@ WINDOW_S) to the attempt's ``steps/rank-N.jsonl``::
 
     {"rank": 1, "node": 0, "host": "gpu-07", "gpu": "1", "time": 1733.2, "first": 41,
      "last": 64, "steps": 24, "wall_s": 1.01, "step_s": 0.041, "step_max_s": 0.05,
-     "slowest": [[57, 0.05], ...], "input_s": 0.02, "arrive_s": 0.013, "samples": 768,
+     "slowest": [[57, 0.05], ...], "input_s": 0.02, "forward_s": 0.001, "arrive_s": 0.013,
+     "samples": 768,
      "tokens": null, "total": 500, "memory_bytes": ..., "memory_peak_bytes": ...}
 
-(``step_s`` and ``arrive_s`` are the window's medians; ``arrive_s`` is null until a GPU's
-events are done, and lands in a later window when they finish late.)
+(``step_s``, ``forward_s`` and ``arrive_s`` are the window's medians; a mark is null until a
+GPU's events are done, and lands in a later window when they finish late.)
 
 Caller side: ``Reader`` follows the files (a Ray rank's are mirrored line by line);
 ``compare`` judges the recent windows (throughput, ETA, the slowest rank, the straggler, ranks
