@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import CONFIGS, Decoder, parameter_count  # noqa: E402
+from models import CONFIGS, build  # noqa: E402
 
 from gpufleet import distributed, runtime  # noqa: E402
 
@@ -50,10 +50,7 @@ def measure(mode: str, config_name: str, steps: int, warmup: int, compile: bool)
 
     config = CONFIGS[config_name]
     device = runtime.setup()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Decoder(config)
-    params = parameter_count(model)
+    model, params = build(config_name, device)
     step = _train_step(mode, model, device, compile)
     tokens = torch.randint(0, config.vocab, (config.batch, config.seq + 1), device=device)
     for _ in range(warmup):

@@ -113,3 +113,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def build(config_name: str, device: torch.device) -> tuple[Decoder, int]:
+    """The named model, made on ``device`` from seed 0, and its parameter count."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Decoder(CONFIGS[config_name])
+    return model, parameter_count(model)

@@ -54,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models import CONFIGS, Decoder, parameter_count  # noqa: E402
+from models import CONFIGS, build  # noqa: E402
 
 from gpufleet import distributed, runtime  # noqa: E402
 
@@ -73,10 +73,7 @@ def measure(strategy: str, config_name: str, steps: int, warmup: int, compile: b
 
     config = CONFIGS[config_name]
     device = runtime.setup()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Decoder(config)
-    params = parameter_count(model)
+    model, params = build(config_name, device)
 
     def adamw(parameters):
         return torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda")

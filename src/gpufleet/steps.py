@@ -420,7 +420,7 @@ class Reader:
     the live view, and per-rank totals for the summary."""
 
     def __init__(self, folder: RunDir, world_size: int):
-        self._files = [telemetry.Follower(folder.steps(rank), _parse) for rank in range(world_size)]
+        self._files = [telemetry.Follower(folder.steps(rank), _is_window) for rank in range(world_size)]
         self.recent: dict[int, deque[dict]] = {}
         self.totals: dict[int, _Totals] = {}
 
@@ -439,31 +439,14 @@ def recent_in(folder: RunDir) -> dict[int, list[dict]]:
     file (``gpufleet status``: a long run's files are not read whole)."""
     found = {}
     for path in sorted((folder.path / "steps").glob("rank-*.jsonl")):
-        try:
-            with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - TAIL_BYTES))
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        if size > TAIL_BYTES:
-            lines = lines[1:]  # the first line read is cut
-        windows = _parse(lines)[-RECENT_WINDOWS:]
+        windows = telemetry.tail_of(path, TAIL_BYTES, _is_window)[-RECENT_WINDOWS:]
         if windows:
             found[windows[-1]["rank"]] = windows
     return found
 
 
-def _parse(lines: list[bytes]) -> list[dict]:
-    found = []
-    for line in lines:
-        try:
-            window = json.loads(line)
-        except ValueError:  # a damaged line costs that window only
-            continue
-        if isinstance(window, dict) and isinstance(window.get("rank"), int) and window.get("steps"):
-            found.append(window)
-    return found
+def _is_window(window: dict) -> bool:
+    return isinstance(window.get("rank"), int) and bool(window.get("steps"))
 
 
 @dataclass

@@ -245,12 +245,13 @@ class Sampler:
 
 
 class Follower:
-    """New lines of a JSON-lines file, parsed by ``parse`` (default: telemetry samples); whole
-    lines only: a line still being written, or mirrored, is read once complete."""
+    """New lines of a JSON-lines file, as objects; whole lines only: a line still being
+    written, or mirrored, is read once complete."""
 
-    def __init__(self, path: Path, parse: Callable[[list[bytes]], list[dict]] | None = None):
+    def __init__(self, path: Path, accept: Callable[[dict], bool] | None = None):
+        """``accept``: which parsed lines are kept (default: telemetry samples)."""
         self.path = path
-        self._parse = parse or _parse
+        self._accept = accept or _is_sample
         self._offset = 0
 
     def read(self) -> list[dict]:
@@ -262,7 +263,7 @@ class Follower:
             return []
         data = data[: data.rfind(b"\n") + 1]
         self._offset += len(data)
-        return self._parse(data.splitlines())
+        return json_lines(data.splitlines(), self._accept)
 
 
 class Latest:
@@ -280,30 +281,40 @@ class Latest:
 
 def latest_in(path: Path) -> dict[int, dict]:
     """Each node's last sample in a telemetry file, from its last TAIL_BYTES."""
+    return {sample["node"]: sample for sample in tail_of(path, TAIL_BYTES, _is_sample)}
+
+
+def tail_of(path: Path, size: int, accept: Callable[[dict], bool]) -> list[dict]:
+    """The whole lines in the last ``size`` bytes of a JSON-lines file that ``accept`` takes
+    (a long file is not read whole); none when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TAIL_BYTES))
+            end = f.seek(0, os.SEEK_END)
+            f.seek(max(0, end - size))
             data = f.read()
     except OSError:
-        return {}
+        return []
     lines = data.splitlines()
-    if size > TAIL_BYTES:
+    if end > size:
         lines = lines[1:]  # the first line read is cut
-    return {sample["node"]: sample for sample in _parse(lines)}
+    return json_lines(lines, accept)
 
 
-def _parse(lines: list[bytes]) -> list[dict]:
+def json_lines(lines: list[bytes], accept: Callable[[dict], bool]) -> list[dict]:
+    """The lines that are JSON objects ``accept`` takes; a damaged line costs itself only."""
     found = []
     for line in lines:
         try:
-            sample = json.loads(line)
-        except ValueError:  # a damaged line costs that sample only
+            entry = json.loads(line)
+        except ValueError:
             continue
-        if (isinstance(sample, dict) and isinstance(sample.get("node"), int)
-                and isinstance(sample.get("time"), (int, float))):
-            found.append(sample)
+        if isinstance(entry, dict) and accept(entry):
+            found.append(entry)
     return found
+
+
+def _is_sample(sample: dict) -> bool:
+    return isinstance(sample.get("node"), int) and isinstance(sample.get("time"), (int, float))
 
 
 # ---------------------------------------------------------------------------- saying it

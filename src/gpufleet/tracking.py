@@ -175,7 +175,7 @@ class SystemMetrics:
         """Log the samples and steps of an attempt too (its files, from their start)."""
         with self._files_lock:
             self._files.append(telemetry.Follower(attempt.folder.telemetry))
-            self._metrics.append(telemetry.Follower(attempt.folder.metrics_log, _parse_metric_lines))
+            self._metrics.append(telemetry.Follower(attempt.folder.metrics_log, _is_metric_line))
             self._steps.append((steps.Reader(attempt.folder, attempt.world_size), attempt.threshold))
 
     def start(self) -> None:
@@ -488,16 +488,8 @@ class _MetricLines:
 _metric_lines = _MetricLines()  # per process: rank 0's
 
 
-def _parse_metric_lines(lines: list[bytes]) -> list[dict]:
-    found = []
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:  # a damaged line costs that line only
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict):
-            found.append(entry)
-    return found
+def _is_metric_line(entry: dict) -> bool:
+    return isinstance(entry.get("metrics"), dict)
 
 
 class _ProgressNotes:
