@@ -20,7 +20,8 @@ def test_decorator_options():
 
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
-                              "show_timings", "tracking", "warm", "ray_address", "placement",
+                              "show_timings", "step_telemetry", "straggler_threshold",
+                              "collapse_lines", "tracking", "warm", "ray_address", "placement",
                               "placement_timeout", "pip", "runtime_env", "name", "detach"]
 
 
@@ -39,8 +40,10 @@ def test_runtime_functions():
     assert sorted(runtime.__all__) == [
         "get_attempt", "get_global_rank", "get_local_rank", "get_local_world_size",
         "get_node_rank", "get_world_size", "heartbeat", "is_main_process", "setup", "should_stop",
+        "step",
     ]
     assert list(inspect.signature(runtime.setup).parameters) == ["backend", "timeout"]
+    assert list(inspect.signature(runtime.step).parameters) == ["samples", "tokens", "total"]
 
 
 def test_data_names():
