@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from netns import Host, Network, Unavailable
-from support import LEFTOVER_GRACE_S
+from support import LEFTOVER_GRACE_S, rank_lines
 
 pytestmark = pytest.mark.slow
 
@@ -308,7 +308,7 @@ def hostname() -> str:
 
 def saved(step: int, ranks=range(4)):
     """A predicate on the script's output: every rank printed that it saved ``step``."""
-    return lambda out, err: all(f"[rank {r}] step {step} saved" in out for r in ranks)
+    return lambda out, err: all(f"step {step} saved" in rank_lines(out, r) for r in ranks)
 
 
 @pytest.mark.timeout(CALL_TIMEOUT_S + 60)
@@ -352,7 +352,7 @@ def test_with_a_retry_the_run_waits_for_the_host_and_resumes_from_its_checkpoint
     assert all(r["weights"] == results[0]["weights"] for r in results), "one model on every rank"
     start = results[0]["resumed_at"]
     for rank in range(4):
-        assert f"[rank {rank}] attempt 1 starts at step {start}" in driver.stdout()
+        assert f"attempt 1 starts at step {start}" in rank_lines(driver.stdout(), rank)
 
 
 @pytest.mark.timeout(CALL_TIMEOUT_S + 60)

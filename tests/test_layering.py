@@ -45,7 +45,7 @@ PROCESS_SIDE_LAUNCHER_PARTS = ("gpufleet.launchers._elastic_agent", "gpufleet.la
 CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.flags", "gpufleet.__main__", "gpufleet.runs",
                "gpufleet.watch", "gpufleet.launchers")
 SHARED = ("gpufleet", "gpufleet.errors", "gpufleet.options", "gpufleet.payload", "gpufleet.rundir",
-          "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet._environ",
+          "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet.steps", "gpufleet._environ",
           "gpufleet._process", "gpufleet._stacks", "gpufleet._version", "gpufleet._log")
 LAUNCHER_INTERFACE = "gpufleet.launchers.base"
 

@@ -195,11 +195,17 @@ def test_the_status_line_counts_the_ranks_alive_on_their_nodes(cluster, runs_dir
 
         runtime.setup(timeout=30)
         log_metrics({"loss": 0.5}, step=3)
-        time.sleep(4)
+        for _ in range(40):
+            time.sleep(0.1)
+            runtime.step(samples=2)
 
-    remote(steady, runs_dir).distributed()
+    fn = remote(steady, runs_dir)
+    fn.distributed()
     shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
     assert re.search(r" · 4/4 ranks alive · \d:\d\d:\d\d · step 3 · loss 0.5", shown), shown
+    summary = json.loads((fn.last_run / "steps.json").read_text())  # mirrored from the nodes
+    assert [(row["rank"], row["steps"], row["samples"]) for row in summary["ranks"]] == [
+        (rank, 40, 80) for rank in range(4)]
 
 
 @pytest.mark.slow

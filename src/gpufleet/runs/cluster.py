@@ -36,6 +36,7 @@ from gpufleet.rundir import RunDir
 from gpufleet.runs import records
 from gpufleet.runs.handles import Run
 from gpufleet.runs.records import Record
+from gpufleet.watch import logs
 
 JOB_PREFIX = "gpufleet-"  # a run's Ray job is gpufleet-<run id>
 # The job's log carries, beside the lines of the ranks and of gpufleet, these event lines from
@@ -431,13 +432,12 @@ def _last_attempt(lines: list[str]) -> list[str]:
 
 def _shown(line: str, rank: int | None) -> str:
     """What a reader of the run's logs sees of a line of its job's log: no event lines; with
-    ``rank``, only that rank's lines, without their prefix."""
+    ``rank``, only that rank's lines (alone or collapsed with others'), without their prefix."""
     if line.startswith((RECORD_EVENT, OUTCOME_EVENT, "Running entrypoint for job ")):
         return ""
     if rank is None:
         return line
-    prefix = f"[rank {rank}] "
-    return line[len(prefix):] if line.startswith(prefix) else ""
+    return logs.line_of(line, rank) or ""
 
 
 @atexit.register

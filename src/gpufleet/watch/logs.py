@@ -149,6 +149,22 @@ def _prefix(ranks: list[int]) -> str:
     return f"[ranks {','.join(spans)}]"
 
 
+_SHOWN = re.compile(r"\[ranks? (\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*)\] ?")
+
+
+def line_of(line: str, rank: int) -> str | None:
+    """The text of a shown line (``[rank 3] x``, ``[ranks 0-3,6] x``) when it is ``rank``'s,
+    else None: how a reader of a run's shown output finds one rank's lines."""
+    found = _SHOWN.match(line)
+    if found is None:
+        return None
+    for span in found[1].split(","):
+        first, _, last = span.partition("-")
+        if int(first) <= rank <= int(last or first):
+            return line[found.end():]
+    return None
+
+
 class _Held:
     """The shown ranks' finished lines that were not shown yet, a queue per rank. Lines are
     only ever shown from the front of the queues (the ranks' *heads*), so that which lines
