@@ -194,24 +194,24 @@ class _Recorder:
 
     def ended(self, now: float, samples: int | None = None, tokens: int | None = None) -> None:
         """The step ended at ``now`` (``time.perf_counter()``)."""
-        if self.start is None:  # the call's first event: a step, but none to time (no start)
-            self.count += 1
-            self.began(now)
-            return
         if samples is not None:
             self.samples = samples
         if tokens is not None:
             self.tokens = tokens
         self.count += 1
-        step_s, w = now - self.start, self.window
-        w.step_s.append(step_s)
-        w.slowest.append((self.count, step_s))
-        w.wall_s += step_s
-        w.input_s += self.input_s
+        w = self.window
         if self.samples is not None:
             w.samples = (w.samples or 0) + self.samples
         if self.tokens is not None:
             w.tokens = (w.tokens or 0) + self.tokens
+        if self.start is None:  # the call's first event: a step, but none to time (no start)
+            self.began(now)
+            return
+        step_s = now - self.start
+        w.step_s.append(step_s)
+        w.slowest.append((self.count, step_s))
+        w.wall_s += step_s
+        w.input_s += self.input_s
         if self.events is not None and len(self.events) > 1:  # timed on the GPU, read once done
             self.pending.append(self.events)
             if len(self.pending) > PENDING_EVENTS:
