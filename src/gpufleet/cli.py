@@ -209,7 +209,7 @@ def cmd_status(args) -> int:
             print(f"{'gpu use:':<13} {gpu_use} (sampled {progress.clock(age)} ago)")
         if key == "gpus" and stepped:  # the ranks' step telemetry: throughput, stragglers
             running = summary.get("status") not in records.FINAL
-            print(f"{'steps:':<13} {' · '.join(steps.describe(stepped, running))}")
+            print(f"{'steps:':<13} {' · '.join(progress.steps_parts(stepped, running))}")
     if summary.get("timings"):
         print("timings of the last attempt:")
         print("\n".join(f"  {label}: {seconds:.3f} s" for label, seconds in summary["timings"]["phases"].items()))

@@ -36,7 +36,8 @@ GPU's events are done, and lands in a later window when they finish late.)
 
 Caller side: ``Reader`` follows the files (a Ray rank's are mirrored line by line);
 ``compare`` judges the recent windows (throughput, ETA, the slowest rank, the straggler, ranks
-waiting for input) for the status line, ``gpufleet status`` and MLflow (``mlflow_metrics``);
+waiting for input) for the status line (``watch/progress.py`` says it), ``gpufleet status``
+and MLflow (``mlflow_metrics``);
 ``Summary`` is the whole attempt's per-rank table, printed and kept as ``steps.json``.
 """
 
@@ -76,7 +77,6 @@ MIN_WINDOWS = 3  # a rank is named a straggler only with this many windows seen
 TAIL_BYTES = 16 * 1024  # what ``recent_in`` reads of each rank's file: its last windows
 INPUT_BOUND_SHARE = 0.25  # a rank waiting for input this share of its time is input-bound
 SUMMARY_ROWS = 8  # ranks in the printed summary at most (steps.json has every one)
-SHOWN_LATE_SHARE = 0.05  # the slowest rank is shown from this lateness (a share of a step) on
 
 
 # ---------------------------------------------------------------------------- the rank's side
@@ -634,48 +634,6 @@ def _median_of(windows: list[dict], key: str) -> float | None:
 def _sum_or_none(values: Iterable[float | None]) -> float | None:
     found = [v for v in values if v is not None]
     return sum(found) if found else None
-
-
-def describe(found: Comparison | None, running: bool = True) -> list[str]:
-    """The status line's parts: ``step 120/500``, ``3.2k samples/s``, ``ETA 0:02:10``,
-    ``straggler rank 1 (gpu-07, GPU 1) +35% of a step late``, ``input-bound: rank 0 waits 41%
-    for data``; no ETA once the run is not ``running``."""
-    if found is None:
-        return []
-    parts = [f"step {found.step}" + (f"/{found.total}" if found.total else "")]
-    if found.samples_per_s is not None:
-        parts.append(f"{_count(found.samples_per_s)} samples/s")
-    elif found.steps_per_s is not None:
-        parts.append(f"{found.steps_per_s:.3g} steps/s")
-    if found.tokens_per_s is not None:
-        parts.append(f"{_count(found.tokens_per_s)} tokens/s")
-    if found.eta_s is not None and running:
-        from gpufleet.watch.progress import clock
-
-        parts.append(f"ETA {clock(found.eta_s)}")
-    if found.straggler is not None:
-        parts.append(f"straggler rank {found.straggler.rank}{found.straggler.where()} "
-                     f"{_late(found, found.straggler)}")
-    elif found.slowest is not None and (found.late_share(found.slowest) or 0.0) >= SHOWN_LATE_SHARE:
-        parts.append(f"slowest rank {found.slowest.rank} {_late(found, found.slowest)}")
-    if found.input_bound:
-        worst = max(found.input_bound, key=lambda v: v.input_share)
-        which = (f"rank {worst.rank} waits" if len(found.input_bound) == 1
-                 else f"{len(found.input_bound)} ranks wait")
-        parts.append(f"input-bound: {which} {worst.input_share:.0%} for data")
-    return parts
-
-
-def _late(found: Comparison, view: RankView) -> str:
-    share = found.late_share(view)
-    return f"{share:+.0%} of a step late" if share is not None else ""
-
-
-def _count(value: float) -> str:
-    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= size:
-            return f"{value / size:.3g}{unit}"
-    return f"{value:.3g}"
 
 
 # ---------------------------------------------------------------------------- the summary

@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from gpufleet.errors import RunCancelledError, RunHangError, RunPreemptedError, RunTimeoutError
+from gpufleet.steps import Comparison, RankView
 
 if TYPE_CHECKING:
     from rich.live import Live
 
 REFRESH_EVERY_S = 0.25
+SHOWN_LATE_SHARE = 0.05  # the slowest rank is shown from this lateness (a share of a step) on
 SHOW_AFTER_S = 1.0
 # One live area per terminal: a second call running at the same time (another thread)
 # prints its lines plainly instead of drawing over the first one's area.
@@ -52,7 +54,7 @@ class Status:
     metrics: dict = field(default_factory=dict)  # and its values
     attempt: int = 0  # 0: the first run of the call
     outcome: str | None = None  # once the call ended: "finished", "failed", ...
-    steps: tuple[str, ...] = ()  # from the ranks' step telemetry (steps.describe)
+    steps: Comparison | None = None  # the ranks' step telemetry compared (steps.compare)
     gpus: str = ""  # the run's GPUs as last sampled (telemetry.describe_gpus); "" without any
 
 
@@ -69,14 +71,57 @@ def status_line(status: Status) -> str:
     else:
         parts.append(f"{status.alive}/{status.world_size} ranks alive")
     parts.append(clock(status.elapsed))
-    if status.step is not None:
+    # rank 0's own step count (log_metrics) stands, unless the telemetry knows the total
+    counted = status.steps is not None and (status.step is None or status.steps.total is not None)
+    if status.step is not None and not counted:
         parts.append(f"step {status.step}")
     if status.metrics:
         parts.append(" ".join(f"{k} {_number(v)}" for k, v in status.metrics.items()))
-    parts.extend(status.steps)
+    parts.extend(steps_parts(status.steps, running=status.outcome is None, with_step=counted))
     if status.gpus:
         parts.append(status.gpus)
     return " · ".join(parts)
+
+
+def steps_parts(found: Comparison | None, running: bool = True, with_step: bool = True) -> list[str]:
+    """What the ranks' step telemetry (``steps.compare``) adds to a status: ``step 120/500``
+    (unless not ``with_step``), ``3.2k samples/s``, ``ETA 0:02:10``, ``straggler rank 1
+    (gpu-07, GPU 1) +35% of a step late``, ``input-bound: rank 0 waits 41% for data``; no ETA
+    once the run is not ``running``."""
+    if found is None:
+        return []
+    parts = [f"step {found.step}" + (f"/{found.total}" if found.total else "")] if with_step else []
+    if found.samples_per_s is not None:
+        parts.append(f"{_count(found.samples_per_s)} samples/s")
+    elif found.steps_per_s is not None:
+        parts.append(f"{found.steps_per_s:.3g} steps/s")
+    if found.tokens_per_s is not None:
+        parts.append(f"{_count(found.tokens_per_s)} tokens/s")
+    if found.eta_s is not None and running:
+        parts.append(f"ETA {clock(found.eta_s)}")
+    if found.straggler is not None:
+        parts.append(f"straggler rank {found.straggler.rank}{found.straggler.where()} "
+                     f"{_late(found, found.straggler)}")
+    elif found.slowest is not None and (found.late_share(found.slowest) or 0.0) >= SHOWN_LATE_SHARE:
+        parts.append(f"slowest rank {found.slowest.rank} {_late(found, found.slowest)}")
+    if found.input_bound:
+        worst = max(found.input_bound, key=lambda v: v.input_share)
+        which = (f"rank {worst.rank} waits" if len(found.input_bound) == 1
+                 else f"{len(found.input_bound)} ranks wait")
+        parts.append(f"input-bound: {which} {worst.input_share:.0%} for data")
+    return parts
+
+
+def _late(found: Comparison, view: RankView) -> str:
+    share = found.late_share(view)
+    return f"{share:+.0%} of a step late" if share is not None else ""
+
+
+def _count(value: float) -> str:  # 3.2k, 41.5M
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
 
 
 def ending(error: BaseException | None) -> str:

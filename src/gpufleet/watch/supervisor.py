@@ -134,17 +134,12 @@ class Supervisor:
     def _status(self, outcome: str | None = None) -> progress.Status:
         step, metrics = self.progress.read()
         self.steps.read()
-        found = steps.compare(self.steps.recent, self.options.straggler_threshold)
-        parts = steps.describe(found)
-        if parts and step is not None and found is not None and not found.total:
-            parts = parts[1:]  # the step rank 0 logged is the user's own count: it stands
-        elif parts:
-            step = None
         return progress.Status(
             name=self.folder.name, world_size=self.world_size,
             elapsed=time.time() - self.began,
             alive=None if outcome else self.monitor.alive(), step=step, metrics=metrics,
-            attempt=self.number, outcome=outcome, steps=tuple(parts),
+            attempt=self.number, outcome=outcome,
+            steps=steps.compare(self.steps.recent, self.options.straggler_threshold),
             gpus="" if outcome else telemetry.describe_gpus(self.telemetry.read()),
         )
 
