@@ -5,11 +5,17 @@
 
 The job: every process initialises a process group (NCCL on GPUs, gloo on CPU), does one
 all-reduce, and returns. Each launcher is timed in a fresh interpreter that has already imported
-torch, as a notebook user would call it: gpufleet's `.distributed()` cold (new processes every
-call) and warm (calls in a `gpufleet.pool`, whose start is reported apart), `torchrun` run as a
-command, `torch.multiprocessing.spawn`, accelerate's `notebook_launcher` (fork), and Ray
-Train's `TorchTrainer` when Ray is installed (`ray.init` once, before the timed calls). The
-table shows medians and the ratio to torchrun, then gpufleet's calls phase by phase.
+torch, as a notebook user would call it: gpufleet's `.distributed()` first-ever (no kept
+template running: each call starts one), with the kept template running (one untimed call
+first), cold (`GPUFLEET_TEMPLATE=0`: new interpreters every call) and warm (calls in a
+`gpufleet.pool`, whose start is reported apart), `torchrun` run as a command,
+`torch.multiprocessing.spawn`, accelerate's `notebook_launcher` (fork), and Ray Train's
+`TorchTrainer` when Ray is installed (`ray.init` once, before the timed calls). The table shows
+medians and the ratio to torchrun, then gpufleet's calls phase by phase.
+
+Then the command line, side by side: `gpufleet run --gpus N job.py` (the kept template running,
+MLflow tracking on when MLflow is installed) against `torchrun --nproc-per-node N job.py`,
+interleaved, from command to exit. Every run uses a GPUFLEET_HOME of its own.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
-LAUNCHERS = ("gpufleet", "gpufleet-warm", "torchrun", "mp.spawn", "notebook_launcher", "ray-train")
+LAUNCHERS = ("gpufleet-first", "gpufleet-template", "gpufleet-cold", "gpufleet-warm", "torchrun", "mp.spawn",
+             "notebook_launcher", "ray-train")
+COMMANDS = ("gpufleet run", "torchrun")
 
 
 def job() -> float:
@@ -75,6 +84,10 @@ def run_once(launcher: str, nprocs: int) -> dict | None:
         from gpufleet import distributed
         from gpufleet.timings import Timings
 
+        if launcher == "gpufleet-first":
+            from gpufleet.launchers import template
+
+            template.stop()
         fn = distributed(gpus=nprocs, logs="none", tracking=False)(job)
         values = fn.distributed()
         assert values == [float(nprocs)] * nprocs, values
@@ -114,6 +127,10 @@ def child(launcher: str, nprocs: int, reps: int) -> None:
             start = time.perf_counter()
             stack.enter_context(gpufleet.pool(gpus=nprocs))
             note = f"pool start {time.perf_counter() - start:.2f} s, not in the times"
+        elif launcher == "gpufleet-template":
+            start = time.perf_counter()
+            run_once(launcher, nprocs)
+            note = f"first call (template start) {time.perf_counter() - start:.2f} s, not in the times"
         elif launcher == "ray-train":
             import ray
 
@@ -136,10 +153,35 @@ def measure(launcher: str, nprocs: int, reps: int) -> dict | str:
     if launcher == "notebook_launcher" and importlib.util.find_spec("accelerate") is None:
         return "accelerate is not installed"
     cmd = [sys.executable, __file__, "--child", launcher, f"--nprocs={nprocs}", f"--reps={reps}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as home:
+        env = {**os.environ, "GPUFLEET_HOME": home, "GPUFLEET_TEMPLATE": "0" if launcher == "gpufleet-cold" else "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        _stop_templates(env)
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _stop_templates(env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "-m", "gpufleet", "-q", "template", "stop"], env=env, check=True)
+
+
+def commands(nprocs: int, reps: int) -> dict[str, list[float]]:
+    """``gpufleet run`` and ``torchrun`` of this file's job as a script, interleaved."""
+    gpufleet = [sys.executable, "-m", "gpufleet", "-q", "run", "--gpus", str(nprocs), __file__, "--torchrun-job"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+                __file__, "--torchrun-job"]
+    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    with tempfile.TemporaryDirectory() as home:
+        env = {**os.environ, "GPUFLEET_HOME": home}
+        subprocess.run(gpufleet, env=env, check=True, capture_output=True)  # the template starts
+        for _ in range(reps):
+            for name, cmd in zip(COMMANDS, (gpufleet, torchrun)):
+                start = time.perf_counter()
+                subprocess.run(cmd, env=env, check=True, capture_output=True)
+                times[name].append(time.perf_counter() - start)
+        _stop_templates(env)
+    return times
 
 
 def hardware() -> str:
@@ -154,7 +196,7 @@ def hardware() -> str:
             f"Python {platform.python_version()}; torch {torch.__version__}")
 
 
-def report(nprocs: int, reps: int, launchers: list[str]) -> str:
+def report(nprocs: int, reps: int, launchers: list[str], with_commands: bool) -> str:
     rows, medians, phases = [], {}, {}
     for launcher in launchers:
         measured = measure(launcher, nprocs, reps)
@@ -180,6 +222,15 @@ def report(nprocs: int, reps: int, launchers: list[str]) -> str:
     for name, median, low, high, note in rows:
         ratio = f"{medians[name] / base:.2f}" if base and name in medians else "—"
         lines.append(f"| {name} | {median} | {low} | {high} | {ratio} | {note} |")
+    if with_commands:
+        tracked = "on" if importlib.util.find_spec("mlflow") else "off (MLflow is not installed)"
+        times = commands(nprocs, reps)
+        lines += ["", f"The command line, interleaved, command to exit (MLflow tracking {tracked}):", "",
+                  "| command | median s | min s | max s | median / torchrun |", "|---|---|---|---|---|"]
+        for name in COMMANDS:
+            ratio = statistics.median(times[name]) / statistics.median(times["torchrun"])
+            lines.append(f"| {name} | {statistics.median(times[name]):.2f} | {min(times[name]):.2f} | "
+                         f"{max(times[name]):.2f} | {ratio:.2f} |")
     found = {name: calls for name, calls in phases.items() if calls}
     if found:
         names = list(found)
@@ -200,6 +251,7 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--launchers", default=",".join(LAUNCHERS))
+    parser.add_argument("--no-commands", action="store_true", help="leave out gpufleet run against torchrun")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--torchrun-job", action="store_true", help=argparse.SUPPRESS)
@@ -210,7 +262,7 @@ def main() -> None:
     elif args.child:
         child(args.child, args.nprocs, args.reps)
     else:
-        table = report(args.nprocs, args.reps, args.launchers.split(","))
+        table = report(args.nprocs, args.reps, args.launchers.split(","), not args.no_commands)
         print(table)
         if args.out:
             with open(args.out, "w") as f:

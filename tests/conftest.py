@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from support import (LEFTOVER_GRACE_S, DescendantSampler, Script, ScriptResult, describe,
-                     kill_all, wait_gone)
+                     is_template, kill_all, wait_gone)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -32,14 +32,26 @@ def mlflow_store(tmp_path_factory):
     yield os.environ["MLFLOW_TRACKING_URI"]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def short_lived_templates():
+    """Kept templates (one per GPUFLEET_HOME, and many tests have a home of their own) end
+    30 s after their last call rather than 15 minutes: a few live at a time, not dozens."""
+    import os
+
+    os.environ.setdefault("GPUFLEET_TEMPLATE_IDLE", "30")
+    yield
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
-    """Fail the test if it leaves any process it started (directly or not) running."""
+    """Fail the test if it leaves any process it started (directly or not) running. A kept
+    template is meant to outlive the calls it serves (tests/test_template.py checks that it
+    ends when idle); what it forks is checked as anything else."""
     sampler = DescendantSampler()
     sampler.start()
     yield sampler
     sampler.stop()
-    left = wait_gone(sampler.started_since(), LEFTOVER_GRACE_S)
+    left = wait_gone([p for p in sampler.started_since() if not is_template(p)], LEFTOVER_GRACE_S)
     if left:
         names = "\n  ".join(describe(p) for p in left)
         kill_all(left)

@@ -44,6 +44,20 @@ def running(proc: psutil.Process) -> bool:
         return False
 
 
+def is_template(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a kept template (the process runs are forked from), not one of the
+    agents and ranks forked from it, whose command lines read the same."""
+    try:
+        parent = proc.parent()
+        return _runs_template(proc) and (parent is None or not _runs_template(parent))
+    except psutil.Error:
+        return False
+
+
+def _runs_template(proc: psutil.Process) -> bool:
+    return "gpufleet.launchers._template_server" in proc.cmdline()
+
+
 def describe(proc: psutil.Process) -> str:
     try:
         return f"pid {proc.pid}: {' '.join(proc.cmdline())[:200]}"

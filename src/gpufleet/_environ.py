@@ -20,6 +20,9 @@ TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run fold
 # Set by the user or the machine's operator: "0" (or false/off/no) switches MLflow tracking off
 # for every call, whatever its tracking= says.
 TRACKING = "GPUFLEET_TRACKING"
+TEMPLATE = "GPUFLEET_TEMPLATE"  # "0": no kept template; every run starts cold
+TEMPLATE_IDLE = "GPUFLEET_TEMPLATE_IDLE"  # seconds the kept template waits for a call
+DEFAULT_TEMPLATE_IDLE_SECONDS = 900.0
 _SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
 POOL_KEEP_MEMORY = "keep-memory"  # a pool whose ranks keep cached GPU memory between calls
@@ -86,15 +89,40 @@ def step_telemetry() -> bool:
 def tracking_allowed() -> bool:
     """False when ``GPUFLEET_TRACKING`` switches tracking off; True when it is unset, empty or
     says on. Any other value is a ConfigError."""
-    value = os.environ.get(TRACKING, "").strip()
+    return _switch(TRACKING, "switch MLflow tracking off; unset it to track as tracking= says")
+
+
+def template_allowed() -> bool:
+    """False when ``GPUFLEET_TEMPLATE`` switches the kept template off (launchers/template.py)."""
+    return _switch(TEMPLATE, "start every run's processes cold; unset it to fork them from the kept template")
+
+
+def template_idle_seconds() -> float:
+    """How long the kept template waits for a call before it ends (``GPUFLEET_TEMPLATE_IDLE``)."""
+    value = os.environ.get(TEMPLATE_IDLE, "").strip()
+    if not value:
+        return DEFAULT_TEMPLATE_IDLE_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        from gpufleet.errors import ConfigError
+
+        raise ConfigError(f"{TEMPLATE_IDLE}={value!r} must be a number of seconds above 0, such as 600; "
+                          f"unset it for the default ({DEFAULT_TEMPLATE_IDLE_SECONDS:.0f} s)")
+    return seconds
+
+
+def _switch(name: str, off_means: str) -> bool:
+    value = os.environ.get(name, "").strip()
     if not value:
         return True
     if value.lower() not in _SWITCH:
         from gpufleet.errors import ConfigError
 
         raise ConfigError(
-            f"{TRACKING}={value!r} must be one of 0, 1, true, false, on, off, yes, no "
-            f"(0, false, off or no switch MLflow tracking off; unset it to track as tracking= says)"
+            f"{name}={value!r} must be one of 0, 1, true, false, on, off, yes, no (0, false, off or no {off_means})"
         )
     return _SWITCH[value.lower()]
 

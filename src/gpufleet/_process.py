@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import select
 import signal
 import socket
 import sys
@@ -43,6 +44,50 @@ def die_with_parent(sig: signal.Signals, expected_parent: int | None) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     if expected_parent is not None and os.getppid() != expected_parent:
         os.kill(os.getpid(), sig)
+
+
+def die_with(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to this process when process ``pid``, which need not be its parent, ends
+    (a daemon thread waits on the pid's pidfd; where Linux has none, it polls). ``pid``
+    already gone: the signal comes at once."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), sig)
+        return
+    except (AttributeError, OSError):
+        handle = None
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        else:
+            while psutil.pid_exists(pid):
+                time.sleep(SWEEP_POLL_SECONDS * 10)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="gpufleet-die-with", daemon=True).start()
+
+
+def retitle(argv: list[str] | list[bytes]) -> bool:
+    """Show ``argv`` as this process's command line (``ps``, ``/proc/PID/cmdline``), as
+    setproctitle does: written over the memory Linux reads it from (between ``arg_start`` and
+    ``arg_end`` of ``/proc/self/stat``), ended by a NUL, and the rest of that room filled with
+    spaces (a last byte that is not NUL tells Linux to read only up to the first NUL). Cut to
+    the room the process started with. False where it cannot be done."""
+    if sys.platform != "linux":
+        return False
+    try:
+        fields = open("/proc/self/stat", "rb").read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return False
+    room = end - start
+    if room < 2:
+        return False
+    title = " ".join(map(os.fsdecode, argv)).encode(errors="replace")[: room - 2]
+    ctypes.memmove(start, title + b"\0" + b" " * (room - len(title) - 1), room)
+    return True
 
 
 def adopt_orphans() -> bool:

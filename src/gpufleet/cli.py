@@ -274,6 +274,29 @@ def cmd_ui(args) -> int:
     return tracking.serve_ui(args.host, args.port)
 
 
+def cmd_template(args) -> int:
+    """Show or stop the kept templates runs are forked from (launchers/template.py)."""
+    from gpufleet.launchers import template
+
+    if args.action == "stop":
+        stopped = template.stop()
+        log.info(f"stopped {len(stopped)} template{'' if len(stopped) == 1 else 's'}"
+                 + (f" (pid {', '.join(map(str, stopped))})" if stopped else ""))
+        return 0
+    found = template.running()
+    if args.json:
+        print(json.dumps(found, indent=1))
+        return 0
+    if not found:
+        print("no template is running (the next run starts one)")
+    for entry in found:
+        age = time.time() - entry["started"]
+        print(f"pid {entry['pid']}: up {age:.0f} s, {entry['served']} run(s) served, {entry['running']} running, "
+              f"torch imported in {entry['import_seconds']:.1f} s, ends after {entry['idle_seconds']:.0f} s idle; "
+              f"{entry['python']}")
+    return 0
+
+
 def cmd_schema(args) -> int:
     from gpufleet.runs import workload
 
@@ -320,7 +343,7 @@ def _size(folder: Path) -> int:
 
 def _foreground(call: execution.Call, record: records.Record) -> int:
     try:
-        execution.execute(call, record)
+        execution.execute(call, record, exits_after=True)
     except RunFailedError as exc:
         log.error("%s", exc)
         return EXIT_OF_STATUS[records.status_of(exc)]
@@ -473,6 +496,17 @@ def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argpa
     ui.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only)")
     ui.add_argument("--port", type=int, default=5000, help="the port (default 5000)")
     ui.set_defaults(command=cmd_ui)
+
+    kept = sub.add_parser(
+        "template", help="show or stop the kept template runs are forked from",
+        description="Show or stop the kept templates: per-user processes with torch imported, from which "
+                    "runs fork their processes (GPUFLEET_TEMPLATE=0 turns them off; GPUFLEET_TEMPLATE_IDLE "
+                    "sets how many seconds one waits for a run before it ends).",
+    )
+    kept.add_argument("action", choices=("status", "stop"), nargs="?", default="status",
+                      help="status (default): the running templates; stop: end them (runs they started go on)")
+    kept.add_argument("--json", action="store_true", help="status as JSON")
+    kept.set_defaults(command=cmd_template)
 
     schema = sub.add_parser("schema", help="print the JSON Schema of workload files",
                             description="Print the JSON Schema of workload files, for editors "

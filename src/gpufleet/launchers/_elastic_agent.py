@@ -13,6 +13,7 @@ also use as MASTER_PORT, listens on 127.0.0.1 only, on a port the kernel picks w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +44,13 @@ TEMPLATE_PRELOAD = ["gpufleet.launchers._template", "torch", "torch.distributed"
 LOOPBACK = "127.0.0.1"
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], caller: int | None = None) -> None:
+    """The agent of the run in ``argv[1]``: a fresh interpreter, or (``caller`` given) a fork of
+    the kept template (``_template_server.py``) that serves the process ``caller``."""
     timings.mark("agent_started", timings.process_started())
     run = RunDir(Path(argv[1]))
-    _process.die_with_parent(signal.SIGTERM, _environ.parent_pid())
+    if caller is None:
+        _process.die_with_parent(signal.SIGTERM, _environ.parent_pid())
     spec = json.loads((run.path / "launch.json").read_text())
     os.environ[_environ.PARENT_PID] = str(os.getpid())  # workers die with this process
     # Everything elastic writes into the run folder is private; ranks get the caller's umask back.
@@ -54,7 +59,10 @@ def main(argv: list[str]) -> None:
     # this process, the ancestor of every rank that outlives them all (the template dies with
     # it); children do not inherit it.
     adopting = _process.adopt_orphans()
-    own = _start_template()
+    own = _start_template(forked=caller is not None)
+    if caller is not None:  # the template is this process's parent, not the caller; the watch's
+        # descriptor is opened only now, so the ranks' template gets the numbers it gets cold
+        _process.die_with(caller, signal.SIGTERM)
     if adopting:
         _start_reaper(own)
     report = _launch(run, spec["nprocs"], own)
@@ -62,21 +70,65 @@ def main(argv: list[str]) -> None:
     sys.exit(0 if report["state"] == LauncherState.SUCCEEDED else 1)
 
 
-def _start_template() -> set[int]:
+def _start_template(forked: bool) -> set[int]:
     """Start the process the ranks are forked from (multiprocessing's forkserver) now, so
     that it imports torch while this process imports elastic: the ranks start with torch
     imported, in milliseconds. It never touches CUDA, so forking from it is safe, and it
     exits when this process does. Returns this process's own children: the template and
     multiprocessing's resource tracker, which the ranks share (it ignores SIGTERM and ends
-    when this process does, once it has freed what the ranks left registered)."""
+    when this process does, once it has freed what the ranks left registered).
+
+    In an agent forked from the kept template (``forked``), torch is imported already: both
+    are forked from this process rather than started as fresh interpreters."""
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
     multiprocessing.set_forkserver_preload(TEMPLATE_PRELOAD)
-    forkserver.ensure_running()
+    with _forks_for_spawns() if forked else contextlib.nullcontext():
+        forkserver.ensure_running()
     pids = (getattr(forkserver._forkserver, "_forkserver_pid", None),
             getattr(resource_tracker._resource_tracker, "_pid", None))
     return {pid for pid in pids if pid is not None}
+
+
+@contextlib.contextmanager
+def _forks_for_spawns():
+    """multiprocessing starts its forkserver and resource tracker as ``python -c CODE`` with
+    some descriptors passed (``util.spawnv_passfds``). Here each is a fork of this process that
+    keeps only those descriptors and runs CODE: the same process, with what it preloads
+    imported already."""
+    from multiprocessing import util
+
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_running
+    try:
+        yield
+    finally:
+        util.spawnv_passfds = spawn
+
+
+def _fork_running(path: str, args: list[str], passfds) -> int:
+    code = args[args.index("-c") + 1]
+    keep = sorted({0, 1, 2, *map(int, passfds)})
+    pid = os.fork()
+    if pid:
+        return pid
+    status = 1
+    try:
+        for low, high in zip(keep, [*keep[1:], os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        _process.retitle(args)
+        sys.argv = ["-c"]
+        main_module = types.ModuleType("__main__")
+        sys.modules["__main__"] = main_module
+        exec(code, main_module.__dict__)
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(status)
 
 
 def _start_reaper(own: set[int]) -> None:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from gpufleet import _environ, _process
-from gpufleet.launchers import devices, hardware
+from gpufleet.launchers import devices, hardware, template
 from gpufleet.launchers.base import Gate, Job, Launcher
 from gpufleet.launchers.hardware import Placement
 from gpufleet.options import RunOptions
@@ -98,7 +98,7 @@ class LocalLauncher(Launcher[LaunchPlan]):
 class LocalJob(Job):
     """The elastic agent of one attempt (or of a warm pool), and the ranks it started."""
 
-    def __init__(self, agent: subprocess.Popen, attempt: RunDir, world_size: int,
+    def __init__(self, agent: subprocess.Popen | template.Agent, attempt: RunDir, world_size: int,
                  reports: RunDir | None = None, keeps_ranks: bool = False):
         self.agent = agent
         self.attempt = attempt
@@ -181,9 +181,10 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def launch(launch_plan: LaunchPlan) -> subprocess.Popen:
+def launch(launch_plan: LaunchPlan) -> subprocess.Popen | template.Agent:
     """Start the agent in its own session, so a terminal's Ctrl-C reaches only the caller,
-    which then stops the run in order.
+    which then stops the run in order: forked from the kept template (``template.py``), or
+    else as a fresh interpreter.
 
     The agent dies with the thread that started it (PR_SET_PDEATHSIG follows the thread, not
     the process), so every agent is started by one long-lived thread (``_process.starter``):
@@ -194,6 +195,9 @@ def launch(launch_plan: LaunchPlan) -> subprocess.Popen:
     write_private(folder.path / "launch.json", json.dumps(spec).encode())
     log_fd = os.open(folder.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
+        forked = template.start_agent(launch_plan.argv, launch_plan.env, log_fd)
+        if forked is not None:
+            return forked
         return _process.starter().run(
             subprocess.Popen,
             launch_plan.argv,

@@ -27,7 +27,7 @@ from pathlib import Path
 from gpufleet import _environ, _process
 from gpufleet._log import log
 from gpufleet.errors import ConfigError
-from gpufleet.launchers import devices, hardware, local
+from gpufleet.launchers import devices, hardware, local, template
 from gpufleet.launchers.hardware import Placement
 from gpufleet.launchers.local import LaunchPlan, LocalJob, LocalLauncher
 from gpufleet.options import RunOptions
@@ -194,7 +194,7 @@ class Pool:
 class _Ranks:
     """One start of a pool's ranks: the agent, its folder and the pipes to its ranks."""
 
-    def __init__(self, folder: RunDir, agent: subprocess.Popen | None, pipes: list[int],
+    def __init__(self, folder: RunDir, agent: subprocess.Popen | template.Agent | None, pipes: list[int],
                  env: dict[str, str], lease: devices.Lease):
         self.folder = folder
         self.lease = lease  # the devices the ranks hold while they live

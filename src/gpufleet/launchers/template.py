@@ -1,0 +1,330 @@
+"""The kept template, the caller's side: start a run's agent as a fork of a process that has
+imported torch already, rather than as a fresh interpreter.
+
+    agent = template.start_agent(argv, env, log_fd)   # None: start it cold (said why once)
+
+One template per user and per *kind of start* (``key``): the interpreter, the variables read
+while torch is imported, the resource limits a process cannot raise, the cgroup and the
+namespaces. It lives in ``$GPUFLEET_HOME/template/`` (0700), starts on first use, serves
+every later call of the user (the command line, the API, submitted runs, warm pools' starts)
+and ends after ``GPUFLEET_TEMPLATE_IDLE`` seconds without one (default 15 minutes). When the
+installed torch or gpufleet changes (``fingerprint``), the next call replaces it.
+``GPUFLEET_TEMPLATE=0`` turns it off. ``_template_server.py`` is the other side; docs/design.md
+("Cold start") has the reasons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from gpufleet import _environ
+from gpufleet._log import log
+from gpufleet.launchers import _template_wire as wire
+from gpufleet.rundir import check_private_dir
+
+START_TIMEOUT_SECONDS = 120.0  # for a new template to import torch (a cold network file system)
+CONNECT_TIMEOUT_SECONDS = 10.0
+TITLE_ROOM = 4096  # bytes of command line the agent and forkserver forks can show
+STOP_TIMEOUT_SECONDS = 10.0
+# Read while torch is imported (or by the interpreter and the dynamic loader as they start): a
+# template started with other values would hand them to every rank. Those read later (CUDA's,
+# NCCL's, the allocator's) come from the call's own environment, as in a cold start.
+KEYED_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_",
+                  "TORCH_", "PYTORCH_")
+UNKEYED = ("PYTHONUNBUFFERED", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_NCCL_", "TORCH_FR_",
+           "TORCHELASTIC_")
+NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
+
+_said: set[str] = set()
+_lock = threading.Lock()  # one start of a template at a time in this process
+
+
+def folder() -> Path:
+    path = _environ.gpufleet_home() / "template"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private_dir(path)
+    return path
+
+
+def start_agent(argv: list[str], env: dict[str, str], log_fd: int) -> "Agent | None":
+    """The agent the command ``argv`` (``python -m gpufleet.launchers._elastic_agent RUN``)
+    would start, forked by the template with ``env``, this process's working folder, umask, limits and CPU affinity, its
+    stdin from /dev/null and its output into ``log_fd``. None when no template can serve: the
+    caller starts the agent cold (why is said once per process)."""
+    if not _environ.template_allowed():
+        return None
+    if sys.platform != "linux":
+        _cold("the kept template needs Linux (fork, pidfds, SO_PEERCRED)")
+        return None
+    try:
+        key, fingerprint = _key(env), fingerprint_now()
+        request = {
+            "fingerprint": fingerprint, "argv": argv, "env": env, "cwd": os.getcwd(), "umask": _umask(),
+            "limits": wire.limits(), "affinity": sorted(os.sched_getaffinity(0)), "caller": os.getpid(),
+        }
+        for _ in range(2):  # a stale or closing template: once more, with a new one
+            conn = _connect(key, fingerprint, env)
+            agent = _ask(conn, request, log_fd)
+            if agent is not None:
+                return agent
+        _cold("the kept template refused twice")
+    except TemplateUnavailable as exc:
+        _cold(str(exc))
+    return None
+
+
+class TemplateUnavailable(Exception):
+    pass
+
+
+class Agent:
+    """An agent the template forked, driven as ``subprocess.Popen`` drives a child: the template
+    is its parent, so its exit status comes over the connection that asked for it."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.pid = pid
+        self.args = ["gpufleet template", str(pid)]
+        self.returncode: int | None = None
+        self._conn = conn
+        self._lock = threading.Lock()
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except OSError:  # gone already: its status is on the way
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        return self._wait(0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        with self._lock:
+            if self.returncode is None and self._pidfd is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._pidfd, sig)
+
+    def _wait(self, timeout: float | None) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                ready, _, _ = select.select([self._conn], [], [], timeout)
+                if ready:
+                    self._read()
+            return self.returncode
+
+    def _read(self) -> None:
+        try:
+            message, _ = wire.receive(self._conn)
+        except (OSError, ConnectionError, ValueError):
+            message = None
+        if message is not None and "exit" in message:
+            self._ended(int(message["exit"]))
+        elif message is None:  # the template was killed: the agent, re-parented, is waited for
+            if self._pidfd is not None:
+                select.select([self._pidfd], [], [])
+            self._ended(1)
+
+    def _ended(self, code: int) -> None:
+        self.returncode = code
+        self._conn.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+def running() -> list[dict]:
+    """The user's templates that run: what each wrote about itself, and its pid's state."""
+    found = []
+    for info in sorted(folder().glob("*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            entry = json.loads(info.read_text())
+            if _is_template(entry.get("pid")):
+                found.append(entry)
+    return found
+
+
+def stop() -> list[int]:
+    """Stop every template of the user (SIGTERM: no new call; those running go on, and the
+    template ends with the last). Returns their pids, once their sockets are gone."""
+    stopped = []
+    for entry in running():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(entry["pid"], signal.SIGTERM)
+            stopped.append(entry["pid"])
+    deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+    while time.monotonic() < deadline and any(folder().glob("*.sock")):
+        time.sleep(0.02)
+    return stopped
+
+
+def fingerprint_now() -> str:
+    """What was imported into a template: torch's and gpufleet's installed files (versions and
+    modification times; an editable gpufleet's sources too). Another value: another template."""
+    parts = [sys.version]
+    for name in ("torch", "gpufleet"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            parts.append(f"{name}=={importlib.metadata.version(name)}")
+    torch = importlib.util.find_spec("torch")
+    if torch is not None and torch.origin:
+        parts.append(_stamp(Path(torch.origin)))
+    package = Path(__file__).resolve().parent.parent
+    parts += sorted(_stamp(path) for path in package.rglob("*.py"))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _stamp(path: Path) -> str:
+    stat = path.stat()
+    return f"{path}:{stat.st_mtime_ns}:{stat.st_size}"
+
+
+def _key(env: dict[str, str]) -> str:
+    """Which template may start this call's agent (see the module's docstring)."""
+    keyed = {name: value for name, value in env.items()
+             if name.startswith(KEYED_PREFIXES) and not name.startswith(UNKEYED)}
+    parts: dict = {
+        "python": os.path.realpath(sys.executable), "version": sys.version, "flags": list(sys.flags),
+        "env": keyed, "ids": [os.getuid(), os.getgid(), sorted(os.getgroups())],
+        "hard_limits": {name: hard for name, (_, hard) in wire.limits().items()},
+        "namespaces": {name: _inode(f"/proc/self/ns/{name}") for name in NAMESPACES},
+    }
+    with contextlib.suppress(OSError):
+        parts["cgroup"] = Path("/proc/self/cgroup").read_text()
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _connect(key: str, fingerprint: str, env: dict[str, str]) -> socket.socket:
+    """A connection to the template for ``key``, started first when none runs (one caller
+    starts it; the others wait on the lock, then connect)."""
+    home = folder()
+    # A socket's address holds at most 107 bytes; reached through a descriptor of its folder,
+    # the socket of a home however deep is (and the template binds it by a relative name).
+    handle = os.open(home, os.O_PATH | os.O_DIRECTORY)
+    path = Path(f"/proc/self/fd/{handle}/{key}.sock")
+    try:
+        with _lock, open(os.open(home / f"{key}.lock", os.O_WRONLY | os.O_CREAT, 0o600), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            conn = _try_connect(path)
+            if conn is not None:
+                return conn
+            server = _start(home, key, fingerprint, env)
+            deadline = time.monotonic() + START_TIMEOUT_SECONDS
+            while time.monotonic() < deadline:
+                conn = _try_connect(path)
+                if conn is not None:
+                    return conn
+                if server.poll() is not None:
+                    log_file = home / f"{key}.log"
+                    raise TemplateUnavailable(f"the kept template exited with {server.returncode} as it "
+                                              f"started ({_last_line(log_file)}); see {log_file}")
+                time.sleep(0.01)
+            server.kill()
+            raise TemplateUnavailable(f"the kept template did not start within {START_TIMEOUT_SECONDS:.0f} s")
+    finally:
+        os.close(handle)
+
+
+def _last_line(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return lines[-1]
+    return "it wrote nothing"
+
+
+def _try_connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(CONNECT_TIMEOUT_SECONDS)
+    try:
+        conn.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        conn.close()
+        return None
+    except OSError as exc:
+        conn.close()
+        raise TemplateUnavailable(f"could not reach the kept template at {path}: {exc}") from exc
+    conn.settimeout(None)
+    return conn
+
+
+def _start(home: Path, key: str, fingerprint: str, env: dict[str, str]) -> subprocess.Popen:
+    """The template, in a session of its own (it outlives this process); its environment is the
+    call's without what each run sets for itself."""
+    own = {name: value for name, value in env.items()
+           if not name.startswith(("GPUFLEET_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHELASTIC_"))}
+    own["PYTHONUNBUFFERED"] = "1"
+    idle = str(_environ.template_idle_seconds())
+    log_fd = os.open(home / f"{key}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        server = subprocess.Popen(
+            # the last argument is room for the command lines its forks show (_process.retitle)
+            [sys.executable, "-m", "gpufleet.launchers._template_server", str(home), key, fingerprint, idle,
+             "-" * TITLE_ROOM],
+            env=own, cwd=home, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        os.close(log_fd)
+    # it may end long before this process (idle): reaped then, not left a zombie
+    threading.Thread(target=server.wait, name="gpufleet-template-reaper", daemon=True).start()
+    return server
+
+
+def _ask(conn: socket.socket, request: dict, log_fd: int) -> Agent | None:
+    """Send the request; the agent the template forked, or None when it refused (stale)."""
+    with conn, open(os.devnull, "rb") as stdin:
+        try:
+            wire.send(conn, request, [stdin.fileno(), log_fd, log_fd])
+            answer, _ = wire.receive(conn)
+        except (OSError, ConnectionError, ValueError) as exc:
+            raise TemplateUnavailable(f"the kept template did not answer: {exc}") from exc
+        if answer is None or "pid" not in answer:
+            return None
+        return Agent(conn.dup(), int(answer["pid"]))
+
+
+def _is_template(pid: object) -> bool:
+    try:
+        return isinstance(pid, int) and "gpufleet.launchers._template_server" in psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (another thread may be creating a file)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise TemplateUnavailable("this kernel does not say the process's umask (Linux 4.7 or newer does)")
+
+
+def _cold(why: str) -> None:
+    """Say once per process why a call starts cold."""
+    if why not in _said:
+        _said.add(why)
+        log.info(f"starting the ranks cold: {why}")
