@@ -90,7 +90,11 @@ def kill_all(procs) -> None:
             pass
 
 
-def assert_all_gone(procs, grace: float = LEFTOVER_GRACE_S, what: str = "processes") -> None:
+def assert_all_gone(procs, grace: float = LEFTOVER_GRACE_S, what: str = "processes",
+                    templates_too: bool = False) -> None:
+    """Every process of ``procs`` ends within ``grace`` seconds, but kept templates, which are
+    meant to outlive the calls they serve, unless ``templates_too``."""
+    procs = [p for p in procs if templates_too or not is_template(p)]
     left = wait_gone(procs, grace)
     kill_all(left)
     assert not left, f"{what} still running:\n" + "\n".join(map(describe, left))
