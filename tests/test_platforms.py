@@ -78,8 +78,9 @@ sys.addaudithook(_hook)
 del os.memfd_create
 '''
 
-# What gpufleet may still try to read from /proc: the OOM counters, Linux-only extras.
-LINUX_ONLY = re.compile(r"gpufleet\.watch\.monitor /proc/(vmstat|\d+/cgroup)")
+# What gpufleet may still try to read from /proc: the OOM counters and the kept template's
+# checks (it starts runs cold without them), Linux-only extras.
+LINUX_ONLY = re.compile(r"gpufleet\.(watch\.monitor /proc/(vmstat|\d+/cgroup)|launchers\.template /proc/self/\S+)")
 
 PROBE = """
 import os

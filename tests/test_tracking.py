@@ -173,3 +173,61 @@ def test_a_workload_file_sets_the_experiment_and_its_parameters(runs_dir, tmp_pa
     (tracked,) = client.search_runs([experiment.experiment_id])
     assert tracked.data.params["lr"] == "0.003" and tracked.data.params["optim.beta"] == "0.9"
     assert tracked.info.status == "FINISHED"
+
+
+def _ended(run_folder, bound_s: float = 45.0):
+    """The MLflow run a run's record links, once it has ended (the tracker may end it after
+    the caller has gone)."""
+    import json
+
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        run_id = json.loads((run_folder / "record.json").read_text()).get("mlflow_run_id")
+        if run_id and (found := mlflow.MlflowClient().get_run(run_id)).info.status != "RUNNING":
+            return found
+        time.sleep(0.2)
+    pytest.fail(f"the MLflow run of {run_folder} did not end within {bound_s:g} s")
+
+
+def test_gpufleet_run_imports_neither_torch_nor_mlflow_and_its_run_ends_after_it(runs_dir, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "job.py").write_text("from gpufleet import log_metrics\nlog_metrics({'loss': 0.25}, step=1)\n")
+    code = ("import sys; from gpufleet.cli import main; rc = main(sys.argv[1:]); "
+            "print(sorted({'torch', 'mlflow'} & {m.split('.')[0] for m in sys.modules})); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code, "run", "--runs-dir", str(runs_dir), "--gpus", "2",
+                           str(tmp_path / "job.py")], capture_output=True, text=True, timeout=100)
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", "the command imported them"
+    (folder,) = [p for p in runs_dir.iterdir() if p.is_dir()]
+    tracked = _ended(folder)
+    assert tracked.info.status == "FINISHED" and tracked.data.metrics["loss"] == 0.25
+    assert tracked.info.run_id in done.stderr, "the run is named when the call starts"
+
+
+def test_a_caller_killed_outright_leaves_its_run_killed_with_its_metrics(runs_dir):
+    import os
+    import signal
+
+    @distributed(gpus=2, runs_dir=runs_dir)
+    def tracked_orphan():
+        import time
+
+        from gpufleet import log_metrics
+
+        log_metrics({"loss": 3.0}, step=0)
+        print("logged", flush=True)
+        time.sleep(120)
+
+    run = tracked_orphan.submit()
+    while "logged" not in run.logs(rank=0):
+        assert not run.done(), run.logs()
+        time.sleep(0.1)
+    os.kill(run.record()["supervisor"]["pid"], signal.SIGKILL)
+
+    tracked = _ended(run.path)
+    assert tracked.info.status == "KILLED"
+    assert tracked.data.metrics["loss"] == 3.0, "what was logged before the kill is in the run"
+    run.wait(60)  # its ranks die with it (checked for leftovers by conftest)

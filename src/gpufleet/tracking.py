@@ -76,12 +76,11 @@ class Tracking:
         self.system = SystemMetrics(client, run_id)
 
     @classmethod
-    def start(cls, name: str, params: dict[str, Any], joined: str | None) -> "Tracking":
-        """Create the call's run (or join ``joined``, the caller's own run) and start logging
-        the nodes' system metrics into it."""
+    def start(cls, name: str, params: dict[str, Any], joined: str | None, uri: str) -> "Tracking":
+        """Create the call's run in the store at ``uri`` (or join ``joined``, the caller's own
+        run) and start logging the nodes' system metrics into it."""
         from mlflow import MlflowClient
 
-        uri = store_uri()
         artifacts = _prepare_store(uri)
         client = MlflowClient(uri)
         if joined:  # the caller's own run: log into it, leave its status to its owner
@@ -94,7 +93,6 @@ class Tracking:
             for key, value in params.items():
                 client.log_param(tracking.run_id, key, value)
         tracking.system.start()
-        log.info(f"MLflow run {tracking.run_id}{tracking.where()}")
         return tracking
 
     def env(self) -> dict[str, str]:
@@ -108,9 +106,9 @@ class Tracking:
     def attempt(self, number: int) -> None:
         _quietly(self.client.set_tag, self.run_id, "gpufleet.attempts", str(number + 1))
 
-    def finish(self, status: str, folder: Path | None = None, error: BaseException | None = None) -> None:
+    def finish(self, status: str, folder: Path | None = None, error: str | None = None) -> None:
         """FINISHED, FAILED or KILLED, the system metrics not logged yet first, then the files
-        of the run's ``folder`` and its ``error`` attached (``attach``); bounded in time and
+        of the run's ``folder`` and its ``error`` (as raised) attached (``attach``); bounded in time and
         never raising: the call's outcome must not depend on its tracking. The caller's own
         run is left as it is: its status and its artifacts are its owner's."""
 
@@ -279,82 +277,109 @@ def _private_store(path: Path) -> None:
 
 
 class PendingTracking:
-    """The call's MLflow run, created in a thread while the agent and ranks start: importing
-    MLflow and opening (or creating) its store take one to several seconds, which the ranks'
-    own start-up hides. The supervisor hands it to the ranks (``tracking.json``) once ready.
+    """The caller's side of the call's MLflow run, which a process of its own holds
+    (``runs/tracker.py``), started right after the first agent: importing MLflow and opening
+    (or creating) its store take one to several seconds of CPU, which the ranks' own start-up
+    hides, and MLflow is never imported by the caller (the ``gpufleet`` command, a submitting
+    process), so neither is its exit held by MLflow's teardown. The supervisor hands the run to
+    the ranks (``tracking.json``) once the tracker has answered.
 
-    Whatever happens first, the run ends: ``close(status)`` before the run exists makes the
-    thread end it as soon as it does."""
+    Whatever happens first, the run ends: the tracker ends it on ``close``, as soon as it
+    exists, or as KILLED when the caller dies before. ``outlives``: the caller does not wait
+    for that (the ``gpufleet`` command, whose exit it would hold); the tracker's notes go to
+    the run folder's ``tracking.log`` then, else to the caller's stderr."""
 
-    def __init__(self, setting: bool | None, name: str, params: dict[str, Any]):
+    def __init__(self, setting: bool | None, name: str, params: dict[str, Any], folder: Path,
+                 outlives: bool = False):
         self.enabled = _wanted(setting)
-        self._call = (name, params, _callers_run() if self.enabled else None)
-        self._thread: threading.Thread | None = None
-        self._found: Tracking | None = None
-        self._error: BaseException | None = None
-        self._closed: tuple | None = None  # finish()'s arguments, once the call ended
-        self._lock = threading.Lock()
+        self._call = {"name": name, "params": params, "joined": _callers_run() if self.enabled else None,
+                      "folder": str(folder)}
+        self._folder = folder
+        self._outlives = outlives
+        self._tracker: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self._answer: dict[str, Any] = {}
         self._warned = False
-        self._followed: list[Followed] = []  # each attempt's samples and steps, for the run
 
     def begin(self) -> None:
-        """Start creating the run (once per call), right after the first agent started."""
-        if self.enabled and self._thread is None:
-            self._thread = threading.Thread(target=self._create, name="gpufleet-tracking", daemon=True)
-            self._thread.start()
-
-    def _create(self) -> None:
-        try:
-            found = Tracking.start(*self._call)
-        except BaseException as exc:  # reported by ready(): tracking never stops a run
-            self._error = exc
+        """Start the tracker (once per call), right after the first agent started."""
+        if not self.enabled or self._tracker is not None:
             return
-        with self._lock:
-            self._found = found
-            closed = self._closed
-            for attempt in self._followed:
-                found.system.follow(attempt)
-        if closed is not None:  # the call ended first
-            found.finish(*closed)
+        notes = os.open(self._folder / "tracking.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                        0o600) if self._outlives else None
+        try:  # a session of its own: Ctrl-C at the terminal is the caller's, the run's end is not
+            self._tracker = subprocess.Popen(
+                [sys.executable, "-m", "gpufleet.runs.tracker"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=notes, start_new_session=True)
+        finally:
+            if notes is not None:
+                os.close(notes)
+        self._send({**self._call, "uri": store_uri()})
+        self._reader = threading.Thread(target=self._read_answer, name="gpufleet-tracking", daemon=True)
+        self._reader.start()
+
+    def _read_answer(self) -> None:
+        assert self._tracker is not None and self._tracker.stdout is not None
+        line = self._tracker.stdout.readline()
+        try:
+            answer = json.loads(line) if line else {"error": "its process ended without an answer"}
+        except ValueError:
+            answer = {"error": f"its process answered {line[:200]!r}"}
+        if "run_id" in answer:
+            log.info(f"MLflow run {answer['run_id']}{answer['where']}")
+        self._answer = answer
 
     def ready(self) -> bool:
-        """Creation has ended (with a run or an error)."""
-        return self._thread is not None and not self._thread.is_alive()
+        """The tracker has answered (with a run or an error)."""
+        return bool(self._answer)
 
     def env(self) -> dict[str, str]:
         """For the ranks: the run's variables, or nothing when there is none (yet)."""
-        if self._found is None:
-            self._warn("not ready in time" if self._error is None else f"{type(self._error).__name__}: {self._error}")
+        if "env" not in self._answer:
+            self._warn(self._answer.get("error", "not ready in time"))
             return {}
-        return self._found.env()
+        return self._answer["env"]
 
     @property
     def run_id(self) -> str | None:
         """The MLflow run's id once it exists."""
-        return self._found.run_id if self._found is not None else None
+        return self._answer.get("run_id")
 
     def attempt(self, number: int) -> None:
-        if self._found is not None:
-            self._found.attempt(number)
+        self._send({"attempt": number})
 
     def follow(self, attempt: Followed) -> None:
         """Log an attempt's samples and steps into the run, now or as soon as it exists."""
-        with self._lock:
-            self._followed.append(attempt)
-            if self._found is not None:
-                self._found.system.follow(attempt)
+        self._send({"follow": [str(attempt.folder.path), attempt.world_size, attempt.threshold]})
 
-    def close(self, status: str, folder: Path | None = None, error: BaseException | None = None) -> None:
-        """The call ended with ``status`` (and ``error``): end the run and attach the run
-        ``folder``'s files now, or as soon as the run exists, waiting up to FINISH_WAIT_S for
-        that (the process may exit right after, with the thread)."""
-        with self._lock:
-            self._closed = (status, folder, error)
-            found = self._found
-        if found is not None:
-            found.finish(status, folder, error)
-        elif self._thread is not None:
-            self._thread.join(FINISH_WAIT_S)  # its creator ends it as soon as it exists
+    def close(self, status: str, error: BaseException | None = None) -> None:
+        """The call ended with ``status`` (and ``error``): the tracker ends the run and attaches
+        the run folder's files now, or as soon as the run exists. Unless the tracker outlives
+        the caller, wait up to FINISH_WAIT_S for that (it goes on after, in its own session)."""
+        if self._tracker is None:
+            return
+        text = "".join(traceback.format_exception_only(type(error), error)) if error is not None else None
+        self._send({"close": {"status": status, "error": text,
+                              "record": self._outlives and self.run_id is None}})
+        with contextlib.suppress(OSError):
+            assert self._tracker.stdin is not None
+            self._tracker.stdin.close()
+        if self._outlives:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._tracker.wait(FINISH_WAIT_S)
+        if self._reader is not None:
+            self._reader.join(FINISH_WAIT_S / 10)  # its answer, read by now, names the run for the record
+
+    def _send(self, message: dict[str, Any]) -> None:
+        """One line to the tracker; lost when it has ended (its run could not be created)."""
+        if self._tracker is None or self._tracker.stdin is None:
+            return
+        try:
+            self._tracker.stdin.write(json.dumps(message).encode() + b"\n")
+            self._tracker.stdin.flush()
+        except (OSError, ValueError):  # gone (said by env()), or closed by close()
+            pass
 
     def _warn(self, why: str) -> None:
         if not self._warned:
@@ -593,12 +618,12 @@ def status_of(error: BaseException | None) -> str:
 # -- the run folder's files, attached when the call ends -----------------------------------
 
 
-def attach(client: Any, run_id: str, folder: Path, error: BaseException | None) -> None:
-    """Attach to the MLflow run, under ``gpufleet/``, the call's error (``error.txt``, as raised)
-    and the files of its run ``folder`` a user reads to see how it went: the supervisor's log
-    and each attempt's rank logs, stacks, timings and agent log (``ATTEMPT_FILES``), newest
-    attempt first. A file past ARTIFACT_MAX_BYTES goes as its end; past ARTIFACTS_MAX_BYTES
-    in all, the rest is left out and named in one line."""
+def attach(client: Any, run_id: str, folder: Path, error: str | None) -> None:
+    """Attach to the MLflow run, under ``gpufleet/``, the call's ``error`` (``error.txt``: the
+    exception's text, as raised) and the files of its run ``folder`` a user reads to see how it
+    went: the supervisor's log and each attempt's rank logs, stacks, timings and agent log
+    (``ATTEMPT_FILES``), newest attempt first. A file past ARTIFACT_MAX_BYTES goes as its end;
+    past ARTIFACTS_MAX_BYTES in all, the rest is left out and named in one line."""
     budget, left_out = ARTIFACTS_MAX_BYTES, []
     with tempfile.TemporaryDirectory(prefix="gpufleet-artifacts-") as scratch:
         for path, where in _attachments(folder, error, Path(scratch)):
@@ -613,11 +638,11 @@ def attach(client: Any, run_id: str, folder: Path, error: BaseException | None) 
                     f"attaches: {', '.join(left_out)} (they stay in {folder})")
 
 
-def _attachments(folder: Path, error: BaseException | None, scratch: Path) -> Iterator[tuple[Path, str]]:
+def _attachments(folder: Path, error: str | None, scratch: Path) -> Iterator[tuple[Path, str]]:
     """What ``attach`` sends: each file (or a copy of its end) and its folder in the run folder."""
     if error is not None:
         text = scratch / "error.txt"
-        write_private(text, "".join(traceback.format_exception_only(type(error), error)).encode())
+        write_private(text, error.encode())
         yield text, ""
     for path, where in run_files(folder):
         yield (path if path.stat().st_size <= ARTIFACT_MAX_BYTES else _end_of(path, scratch / where)), where

@@ -45,9 +45,9 @@ def visible() -> list[str]:
     """This process's devices, by the names the ranks' ``CUDA_VISIBLE_DEVICES`` takes: the
     caller's own list when it set one, else 0..N-1; ``GPUFLEET_VIRTUAL_GPUS`` on a machine
     without GPUs."""
-    import torch
+    from gpufleet.launchers import hardware
 
-    count = torch.cuda.device_count()
+    count = hardware.visible_gpu_count()
     if count == 0:  # as hardware.place: virtual GPUs only where there are no real ones
         return [str(i) for i in range(_environ.virtual_gpus())]
     names = _environ.cuda_visible_devices()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -35,15 +36,108 @@ class Placement:
 
 
 def visible_gpu_count() -> int:
+    """The GPUs CUDA would show this process, counted with NVML rather than torch: importing
+    torch costs the caller 2-4 s (and its exit 0.6 s more), and ``gpufleet run`` or a
+    submitting process never needs it otherwise. CUDA_VISIBLE_DEVICES is read as CUDA reads
+    it (``_visible_entries``). Torch answers only where NVML cannot and a GPU may be there
+    (a driver without NVML, MIG instances); no NVML and no NVIDIA device node means none."""
+    entries = _visible_entries(_environ.cuda_visible_devices())
+    if entries is not None and not entries:
+        return 0
+    if entries and entries[0].upper().startswith("MIG-"):
+        return _torch_count()  # MIG instances: CUDA's own enumeration decides
+    uuids = _nvml_uuids()
+    if uuids is None:
+        return _torch_count() if _nvidia_device_nodes() else 0
+    if entries is None:
+        return len(uuids)
+    return len(_ordinals(entries, uuids))
+
+
+def gpu_names(count: int) -> tuple[str, ...]:
+    """The names of the first ``count`` visible GPUs, by NVML (as ``visible_gpu_count``)."""
+    entries = _visible_entries(_environ.cuda_visible_devices())
+    uuids = _nvml_uuids()
+    if uuids is None or (entries and entries[0].upper().startswith("MIG-")):
+        import torch
+
+        return tuple(torch.cuda.get_device_name(i) for i in range(count))
+    import pynvml
+
+    ordinals = list(range(len(uuids))) if entries is None else _ordinals(entries, uuids)
+    return tuple(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))) for i in ordinals[:count])
+
+
+def _visible_entries(value: str | None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it (torch's ``_parse_visible_devices`` says the same
+    rules): None when unset (every GPU); the kind of the first entry (an index, a ``GPU-`` or
+    a ``MIG-`` UUID prefix) is the list's; an entry of another kind ends the list, and so
+    does one that is not a number; a repeated entry leaves none. Indices are kept as CUDA's
+    ``strtoul`` reads them ("1gpu" is 1)."""
+    if value is None:
+        return None
+    first = value.split(",", 1)[0].strip().upper()
+    prefix = next((p for p in ("GPU-", "MIG-") if first.startswith(p)), None)
+    found: list[str] = []
+    for entry in (e.strip() for e in value.split(",")):
+        if prefix is None:
+            digits = re.match(r"[+]?\d+", entry)
+            if digits is None:
+                break
+            entry = str(int(digits.group()))
+        elif not entry.upper().startswith(prefix):
+            break
+        if entry in found:
+            return []
+        found.append(entry)
+    return found
+
+
+def _ordinals(entries: list[str], uuids: list[str]) -> list[int]:
+    """The NVML indices ``entries`` name, up to the first that names no GPU (an index past
+    the last, a UUID prefix of none or of several); a GPU named twice leaves none."""
+    found: list[int] = []
+    for entry in entries:
+        if entry.isdigit():
+            index = int(entry) if int(entry) < len(uuids) else -1
+        else:
+            matches = [i for i, uuid in enumerate(uuids) if uuid.upper().startswith(entry.upper())]
+            index = matches[0] if len(matches) == 1 else -1
+        if index < 0:
+            break
+        if index in found:
+            return []
+        found.append(index)
+    return found
+
+
+def _nvml_uuids() -> list[str] | None:
+    """Every GPU of this machine by NVML index (its UUIDs); None when NVML cannot say (no
+    library, no driver: then there is usually no GPU either)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return [_text(pynvml.nvmlDeviceGetUUID(h)) for h in handles]
+    except Exception:  # NVMLError of any kind, or no nvidia-ml-py: the caller decides what it means
+        return None
+
+
+def _nvidia_device_nodes() -> bool:
+    """Whether an NVIDIA GPU may be here though NVML did not answer (a container given the
+    devices but not the library, WSL's ``/dev/dxg``)."""
+    return any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg"))
+
+
+def _torch_count() -> int:
     import torch
 
     return torch.cuda.device_count()
 
 
-def gpu_names(count: int) -> tuple[str, ...]:
-    import torch
-
-    return tuple(torch.cuda.get_device_name(i) for i in range(count))
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value  # older nvidia-ml-py: bytes
 
 
 def place(gpus: int | None, gpu_type: str | None) -> Placement:
@@ -54,8 +148,8 @@ def place(gpus: int | None, gpu_type: str | None) -> Placement:
     if visible == 0:
         if gpu_type:
             raise ConfigError(
-                f"{spell('gpu_type', gpu_type)} was asked for but no GPU is visible on this machine "
-                f"(torch.cuda.device_count() is 0); drop {spell('gpu_type')} to run CPU processes with gloo"
+                f"{spell('gpu_type', gpu_type)} was asked for but no GPU is visible on this machine"
+                f"{_visible_devices_note()}; drop {spell('gpu_type')} to run CPU processes with gloo"
             )
         return Placement(device="cpu", nprocs=gpus or CPU_DEFAULT_PROCESSES)
     if gpus is not None and gpus > visible:

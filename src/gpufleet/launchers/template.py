@@ -317,7 +317,11 @@ def _is_template(pid: object) -> bool:
 
 def _umask() -> int:
     """This process's umask, read without setting it (another thread may be creating a file)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError as exc:
+        raise TemplateUnavailable(f"the kept template needs /proc ({exc})") from exc
+    for line in status.splitlines():
         if line.startswith("Umask:"):
             return int(line.split()[1], 8)
     raise TemplateUnavailable("this kernel does not say the process's umask (Linux 4.7 or newer does)")

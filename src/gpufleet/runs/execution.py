@@ -48,6 +48,7 @@ class Call:
         """Check everything that can be checked before a process starts; ConfigError or
         PayloadError otherwise."""
         _environ.tracking_allowed()  # a bad GPUFLEET_TRACKING fails here, before a record exists
+        _environ.template_allowed() and _environ.template_idle_seconds()  # and a bad GPUFLEET_TEMPLATE*
         if options.remote:  # bad input fails before connecting to (or starting) a Ray cluster
             payload = dump_call(fn, args, kwargs)
             placement = launchers.place(options)
@@ -68,12 +69,14 @@ class Call:
 
 
 def execute(call: Call, record: Record, on_attempt: Callable[[Path], None] | None = None,
-            ticket: devices.Ticket | None = None) -> list:
+            ticket: devices.Ticket | None = None, exits_after: bool = False) -> list:
     """Run the call to its end in this process; the record says how it went. ``ticket``: its
-    place in line for devices, taken when it was submitted."""
+    place in line for devices, taken when it was submitted. ``exits_after``: this process
+    exits once the call returns (the ``gpufleet`` command), so its MLflow run ends after it
+    rather than before (``tracking.PendingTracking``)."""
     if call.placement.device == "cpu":
         log.info(call.placement.describe())
-    return _Execution(call, record, on_attempt, ticket).run()
+    return _Execution(call, record, on_attempt, ticket, exits_after).run()
 
 
 class _Execution:
@@ -81,7 +84,7 @@ class _Execution:
     the launcher's gate (``launchers.base.Gate``): told when the ranks start, asked whether
     to go on waiting for devices."""
 
-    def __init__(self, call: Call, record: Record, on_attempt, ticket):
+    def __init__(self, call: Call, record: Record, on_attempt, ticket, exits_after: bool):
         self.call = call
         self.ticket = ticket
         self.record = record
@@ -92,10 +95,11 @@ class _Execution:
         self.launcher: Launcher | None = None
         self.began = False
         self.deadline: float | None = None
+        self.exits_after = exits_after
         self.tracking = PendingTracking(self.opts.tracking, call.name, {
             "function": call.function, "gpus": call.placement.nprocs,
             "world_size": call.placement.nprocs, "device": call.placement.device, **call.params,
-        })
+        }, record.path, outlives=exits_after)
 
     def run(self) -> list:
         outcome: BaseException | None = None
@@ -113,18 +117,29 @@ class _Execution:
                 if self.launcher is not None:  # first: nothing below may keep the GPUs held
                     self.launcher.close()
             finally:
-                # the error, then MLflow's status, then the run's: a record that says ended
-                # means MLflow's run has ended too (or could not be ended in time)
-                with self._bookkeeping("its error"):
-                    self.record.keep(outcome)
-                try:
-                    if self.tracking.enabled:  # the run's logs, timings and error go with it
-                        self.tracking.close(tracking_status(outcome), self.record.path, outcome)
-                finally:
-                    with self._bookkeeping("its final status"):
-                        if self.tracking.run_id:
-                            self.record.update(mlflow_run_id=self.tracking.run_id)
-                        self.record.close(outcome)
+                self._end(outcome)
+
+    def _end(self, outcome: BaseException | None) -> None:
+        """The error, then MLflow's status, then the run's: a record that says ended means
+        MLflow's run has ended too (or could not be ended in time). A process that exits
+        right after the call does not wait for MLflow: the record ends first, and the tracker
+        ends the run after (and links it in the record when the caller did not learn its id)."""
+        with self._bookkeeping("its error"):
+            self.record.keep(outcome)
+        if self.exits_after:
+            self._close_record(outcome)
+            self.tracking.close(tracking_status(outcome), outcome)
+            return
+        try:
+            self.tracking.close(tracking_status(outcome), outcome)  # the run's logs, timings and error go with it
+        finally:
+            self._close_record(outcome)
+
+    def _close_record(self, outcome: BaseException | None) -> None:
+        with self._bookkeeping("its final status"):
+            if self.tracking.run_id:
+                self.record.update(mlflow_run_id=self.tracking.run_id)
+            self.record.close(outcome)
 
     @contextlib.contextmanager
     def _bookkeeping(self, what: str):
