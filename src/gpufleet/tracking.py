@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,13 +290,14 @@ class PendingTracking:
     the run folder's ``tracking.log`` then, else to the caller's stderr."""
 
     def __init__(self, setting: bool | None, name: str, params: dict[str, Any], folder: Path,
-                 outlives: bool = False):
+                 outlives: bool = False, fork: Callable | None = None):
         self.enabled = _wanted(setting)
+        self._fork = fork  # (argv, env, stderr_fd, store) -> the tracker forked from a kept process, or None
         self._call = {"name": name, "params": params, "joined": _callers_run() if self.enabled else None,
                       "folder": str(folder)}
         self._folder = folder
         self._outlives = outlives
-        self._tracker: subprocess.Popen | None = None
+        self._tracker: Any = None  # subprocess.Popen, or what fork gave
         self._reader: threading.Thread | None = None
         self._answer: dict[str, Any] = {}
         self._warned = False
@@ -307,14 +308,16 @@ class PendingTracking:
             return
         notes = os.open(self._folder / "tracking.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
                         0o600) if self._outlives else None
+        argv, uri = [sys.executable, "-m", "gpufleet.runs.tracker"], store_uri()
         try:  # a session of its own: Ctrl-C at the terminal is the caller's, the run's end is not
-            self._tracker = subprocess.Popen(
-                [sys.executable, "-m", "gpufleet.runs.tracker"], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=notes, start_new_session=True)
+            # forked by the kept template (MLflow imported, the store open), or else a fresh one
+            forked = self._fork and self._fork(argv, _environ.snapshot(), 2 if notes is None else notes, uri)
+            self._tracker = forked or subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                       stderr=notes, start_new_session=True)
         finally:
             if notes is not None:
                 os.close(notes)
-        self._send({**self._call, "uri": store_uri()})
+        self._send({**self._call, "uri": uri})
         self._reader = threading.Thread(target=self._read_answer, name="gpufleet-tracking", daemon=True)
         self._reader.start()
 

@@ -2,7 +2,8 @@
 
 A process of the user's that has imported torch, elastic's agent and gpufleet's rank code once,
 and forks each run's agent (``_elastic_agent``) when a caller asks (``template.py`` is the
-caller's side), so that a run starts without importing torch again. docs/design.md ("Cold
+caller's side), so that a run starts without importing torch again; and each tracked call's
+MLflow tracker (``runs/tracker.py``), with MLflow imported and its store opened already. docs/design.md ("Cold
 start") says why it is shaped so; in short:
 
 - **The fork becomes what a cold start would have been.** The child takes the caller's
@@ -77,6 +78,8 @@ class Server:
         self.agents: dict[int, socket.socket] = {}  # agent pid -> the caller's connection
         self.served = 0
         self.closing = False
+        self.tracking_imported = False
+        self.stores: set[str] = set()
         self.last_used = time.monotonic()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -164,12 +167,41 @@ class Server:
             wire.send(conn, {"pid": agent})
 
     def _fork(self, request: dict, fds: list[int], conn: socket.socket) -> int:
+        if request.get("kind") == "tracker":
+            self._import_tracking()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # never returns
-            _become_agent(request, fds, [self.listener, conn, *self.agents.values()])
+            _become(request, fds, [self.listener, conn, *self.agents.values()])
+        if request.get("kind") == "tracker" and request.get("store"):
+            self._open_store(request["store"])  # for the next tracker of that store
         return pid
+
+    def _import_tracking(self) -> None:
+        """MLflow, imported on the first tracker's request (not every user tracks): about two
+        seconds, once, rather than in every call's tracker."""
+        if not self.tracking_imported:
+            self.tracking_imported = True
+            with contextlib.suppress(ImportError):
+                __import__("gpufleet.runs.tracker")
+                __import__("mlflow")
+
+    def _open_store(self, uri: str) -> None:
+        """Open the MLflow store a tracker used (its schema checked, its mappers built: most of
+        a second), so that the next tracker's store, cached by MLflow, is ready. Its connections
+        are closed at once: a SQLite connection must not cross a fork."""
+        if uri in self.stores:
+            return
+        self.stores.add(uri)
+        try:
+            from mlflow import MlflowClient
+
+            engine = getattr(MlflowClient(uri)._tracking_client.store, "engine", None)
+            if engine is not None:
+                engine.dispose()
+        except Exception as exc:  # the tracker opens it itself, as without a template
+            print(f"gpufleet template: could not open the MLflow store {uri}: {exc!r}", file=sys.stderr, flush=True)
 
     def _reap(self) -> None:
         while self.agents:
@@ -204,8 +236,9 @@ class Server:
                 self.info.unlink()
 
 
-def _become_agent(request: dict, streams: list[int], sockets: list[socket.socket]) -> None:
-    """In the forked child: become the agent a cold start would have made, then run it."""
+def _become(request: dict, streams: list[int], sockets: list[socket.socket]) -> None:
+    """In the forked child: become the process a cold start would have made (the run's agent,
+    or the call's MLflow tracker), then run it."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -233,14 +266,8 @@ def _become_agent(request: dict, streams: list[int], sockets: list[socket.socket
                 os.sched_setaffinity(0, request["affinity"])
         _threads_from_environment()
         _fresh_generators()
-        from gpufleet.launchers import _elastic_agent
-
-        # multiprocessing hands the main module's name to the ranks, which import it as theirs
-        sys.modules["__main__"] = _elastic_agent
-        _process.retitle(request["argv"])  # the cold agent's command line
-        sys.argv = [_elastic_agent.__file__, *request["argv"][3:]]
-        _elastic_agent.main(sys.argv, caller=request["caller"])
-        code = 0
+        _process.retitle(request["argv"])  # the cold process's command line
+        code = _run(request)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -252,6 +279,22 @@ def _become_agent(request: dict, streams: list[int], sockets: list[socket.socket
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _run(request: dict) -> int:
+    if request["kind"] == "tracker":
+        from gpufleet.runs import tracker
+
+        sys.modules["__main__"] = tracker
+        sys.argv = [tracker.__file__, *request["argv"][3:]]
+        return tracker.main()
+    from gpufleet.launchers import _elastic_agent
+
+    # multiprocessing hands the main module's name to the ranks, which import it as theirs
+    sys.modules["__main__"] = _elastic_agent
+    sys.argv = [_elastic_agent.__file__, *request["argv"][3:]]
+    _elastic_agent.main(sys.argv, caller=request["caller"])
+    return 0
 
 
 def _threads_from_environment() -> None:

@@ -98,7 +98,7 @@ class LocalLauncher(Launcher[LaunchPlan]):
 class LocalJob(Job):
     """The elastic agent of one attempt (or of a warm pool), and the ranks it started."""
 
-    def __init__(self, agent: subprocess.Popen | template.Agent, attempt: RunDir, world_size: int,
+    def __init__(self, agent: subprocess.Popen | template.Forked, attempt: RunDir, world_size: int,
                  reports: RunDir | None = None, keeps_ranks: bool = False):
         self.agent = agent
         self.attempt = attempt
@@ -181,7 +181,7 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def launch(launch_plan: LaunchPlan) -> subprocess.Popen | template.Agent:
+def launch(launch_plan: LaunchPlan) -> subprocess.Popen | template.Forked:
     """Start the agent in its own session, so a terminal's Ctrl-C reaches only the caller,
     which then stops the run in order: forked from the kept template (``template.py``), or
     else as a fresh interpreter.

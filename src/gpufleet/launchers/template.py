@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 
@@ -62,11 +63,34 @@ def folder() -> Path:
     return path
 
 
-def start_agent(argv: list[str], env: dict[str, str], log_fd: int) -> "Agent | None":
+def start_agent(argv: list[str], env: dict[str, str], log_fd: int) -> "Forked | None":
     """The agent the command ``argv`` (``python -m gpufleet.launchers._elastic_agent RUN``)
-    would start, forked by the template with ``env``, this process's working folder, umask, limits and CPU affinity, its
-    stdin from /dev/null and its output into ``log_fd``. None when no template can serve: the
-    caller starts the agent cold (why is said once per process)."""
+    would start, forked by the template with ``env``, this process's working folder, umask,
+    limits and CPU affinity, its stdin from /dev/null and its output into ``log_fd``. None when
+    no template can serve: the caller starts the agent cold (why is said once per process)."""
+    with open(os.devnull, "rb") as stdin:
+        return _forked("agent", argv, env, [stdin.fileno(), log_fd, log_fd])
+
+
+def start_tracker(argv: list[str], env: dict[str, str], stderr_fd: int, store: str) -> "Forked | None":
+    """The call's MLflow tracker (``python -m gpufleet.runs.tracker``) forked by the template,
+    which has imported MLflow and opened ``store`` for an earlier one; ``stdin`` and ``stdout``
+    are pipes to it, as ``subprocess.PIPE`` gives. None as ``start_agent``."""
+    to_tracker, from_tracker = os.pipe(), os.pipe()
+    forked = _forked("tracker", argv, env, [to_tracker[0], from_tracker[1], stderr_fd], store)
+    os.close(to_tracker[0])
+    os.close(from_tracker[1])
+    if forked is None:
+        os.close(to_tracker[1])
+        os.close(from_tracker[0])
+        return None
+    forked.stdin = os.fdopen(to_tracker[1], "wb")
+    forked.stdout = os.fdopen(from_tracker[0], "rb")
+    return forked
+
+
+def _forked(kind: str, argv: list[str], env: dict[str, str], streams: list[int], store: str | None = None
+           ) -> "Forked | None":
     if not _environ.template_allowed():
         return None
     if sys.platform != "linux":
@@ -75,14 +99,15 @@ def start_agent(argv: list[str], env: dict[str, str], log_fd: int) -> "Agent | N
     try:
         key, fingerprint = _key(env), fingerprint_now()
         request = {
-            "fingerprint": fingerprint, "argv": argv, "env": env, "cwd": os.getcwd(), "umask": _umask(),
-            "limits": wire.limits(), "affinity": sorted(os.sched_getaffinity(0)), "caller": os.getpid(),
+            "kind": kind, "fingerprint": fingerprint, "argv": argv, "env": env, "cwd": os.getcwd(),
+            "umask": _umask(), "limits": wire.limits(), "affinity": sorted(os.sched_getaffinity(0)),
+            "caller": os.getpid(), "store": store,
         }
         for _ in range(2):  # a stale or closing template: once more, with a new one
             conn = _connect(key, fingerprint, env)
-            agent = _ask(conn, request, log_fd)
-            if agent is not None:
-                return agent
+            forked = _ask(conn, request, streams)
+            if forked is not None:
+                return forked
         _cold("the kept template refused twice")
     except TemplateUnavailable as exc:
         _cold(str(exc))
@@ -93,9 +118,12 @@ class TemplateUnavailable(Exception):
     pass
 
 
-class Agent:
-    """An agent the template forked, driven as ``subprocess.Popen`` drives a child: the template
-    is its parent, so its exit status comes over the connection that asked for it."""
+class Forked:
+    """A process the template forked, driven as ``subprocess.Popen`` drives a child: the
+    template is its parent, so its exit status comes over the connection that asked for it."""
+
+    stdin: IO[bytes] | None = None
+    stdout: IO[bytes] | None = None
 
     def __init__(self, conn: socket.socket, pid: int):
         self.pid = pid
@@ -232,7 +260,7 @@ def _connect(key: str, fingerprint: str, env: dict[str, str]) -> socket.socket:
             conn = _try_connect(path)
             if conn is not None:
                 return conn
-            server = _start(home, key, fingerprint, env)
+            server = _start_template(home, key, fingerprint, env)
             deadline = time.monotonic() + START_TIMEOUT_SECONDS
             while time.monotonic() < deadline:
                 conn = _try_connect(path)
@@ -272,7 +300,7 @@ def _try_connect(path: Path) -> socket.socket | None:
     return conn
 
 
-def _start(home: Path, key: str, fingerprint: str, env: dict[str, str]) -> subprocess.Popen:
+def _start_template(home: Path, key: str, fingerprint: str, env: dict[str, str]) -> subprocess.Popen:
     """The template, in a session of its own (it outlives this process); its environment is the
     call's without what each run sets for itself."""
     own = {name: value for name, value in env.items()
@@ -295,17 +323,17 @@ def _start(home: Path, key: str, fingerprint: str, env: dict[str, str]) -> subpr
     return server
 
 
-def _ask(conn: socket.socket, request: dict, log_fd: int) -> Agent | None:
-    """Send the request; the agent the template forked, or None when it refused (stale)."""
-    with conn, open(os.devnull, "rb") as stdin:
+def _ask(conn: socket.socket, request: dict, streams: list[int]) -> Forked | None:
+    """Send the request; the process the template forked, or None when it refused (stale)."""
+    with conn:
         try:
-            wire.send(conn, request, [stdin.fileno(), log_fd, log_fd])
+            wire.send(conn, request, streams)
             answer, _ = wire.receive(conn)
         except (OSError, ConnectionError, ValueError) as exc:
             raise TemplateUnavailable(f"the kept template did not answer: {exc}") from exc
         if answer is None or "pid" not in answer:
             return None
-        return Agent(conn.dup(), int(answer["pid"]))
+        return Forked(conn.dup(), int(answer["pid"]))
 
 
 def _is_template(pid: object) -> bool:

@@ -194,7 +194,7 @@ class Pool:
 class _Ranks:
     """One start of a pool's ranks: the agent, its folder and the pipes to its ranks."""
 
-    def __init__(self, folder: RunDir, agent: subprocess.Popen | template.Agent | None, pipes: list[int],
+    def __init__(self, folder: RunDir, agent: subprocess.Popen | template.Forked | None, pipes: list[int],
                  env: dict[str, str], lease: devices.Lease):
         self.folder = folder
         self.lease = lease  # the devices the ranks hold while they live

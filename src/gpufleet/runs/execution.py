@@ -18,7 +18,7 @@ from typing import Any
 from gpufleet import _environ, launchers
 from gpufleet._log import log
 from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError, RunTimeoutError
-from gpufleet.launchers import devices, warm
+from gpufleet.launchers import devices, template, warm
 from gpufleet.launchers.base import Launcher
 from gpufleet.launchers.hardware import Placement
 from gpufleet.options import RunOptions, check_world
@@ -99,7 +99,7 @@ class _Execution:
         self.tracking = PendingTracking(self.opts.tracking, call.name, {
             "function": call.function, "gpus": call.placement.nprocs,
             "world_size": call.placement.nprocs, "device": call.placement.device, **call.params,
-        }, record.path, outlives=exits_after)
+        }, record.path, outlives=exits_after, fork=template.start_tracker)
 
     def run(self) -> list:
         outcome: BaseException | None = None
