@@ -134,7 +134,7 @@ def test_a_rank_forked_from_the_template_sees_what_a_cold_start_shows(run_script
     assert templates(env) == [], "GPUFLEET_TEMPLATE=0 started a template"
     kept = [facts(probe_once(run_script, tmp_path, env)) for _ in range(2)]
     [template] = templates(env)
-    assert template["served"] == 2
+    assert template["runs"] == 2
 
     ignored = {f"rank {r} env GPUFLEET_TEMPLATE" for r in range(2)}
     names = (set(cold[0]) | set(cold[1]) | set(kept[0]) | set(kept[1])) - ignored
@@ -168,7 +168,7 @@ def test_gpufleet_run_forks_from_the_template_and_its_ranks_get_their_own_argume
         for rank in (0, 1):
             assert f"args {rank} ['--lr', '0.1'] {work}" in out, out
     [template] = templates(env)
-    assert template["served"] == 2
+    assert template["runs"] == 2
 
 
 def test_the_templates_files_are_private_to_the_user(run_script, tmp_path, env):
@@ -188,7 +188,7 @@ def test_concurrent_first_calls_start_one_template_that_serves_them_all(start_sc
         result = script.wait(180)
         assert result.returncode == 0, result.explain()
     [template] = templates(env)
-    assert template["served"] == 3
+    assert template["runs"] == 3
 
 
 def test_a_changed_gpufleet_or_environment_gets_another_template(run_script, tmp_path, env):
@@ -223,7 +223,7 @@ def test_stop_ends_every_template_and_the_next_call_starts_one(run_script, tmp_p
     assert not list((Path(env["GPUFLEET_HOME"]) / "template").glob("*.sock"))
     probe_once(run_script, tmp_path, env)
     [again] = templates(env)
-    assert again["pid"] != running["pid"] and again["served"] == 1
+    assert again["pid"] != running["pid"] and again["runs"] == 1
 
 
 def test_an_idle_template_ends_by_itself(run_script, tmp_path, env):
@@ -258,7 +258,7 @@ def test_a_home_too_deep_for_a_socket_address_still_gets_a_template(run_script, 
     try:
         probe_once(run_script, tmp_path, env)
         [template] = templates(env)
-        assert template["served"] == 1
+        assert template["runs"] == 1
     finally:
         stop_templates(env)
 

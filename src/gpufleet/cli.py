@@ -291,7 +291,8 @@ def cmd_template(args) -> int:
         print("no template is running (the next run starts one)")
     for entry in found:
         age = time.time() - entry["started"]
-        print(f"pid {entry['pid']}: up {age:.0f} s, {entry['served']} run(s) served, {entry['running']} running, "
+        print(f"pid {entry['pid']}: up {age:.0f} s, {entry['runs']} run(s) and {entry['trackers']} MLflow "
+              f"tracker(s) started, {entry['running']} running, "
               f"torch imported in {entry['import_seconds']:.1f} s, ends after {entry['idle_seconds']:.0f} s idle; "
               f"{entry['python']}")
     return 0

@@ -119,6 +119,9 @@ def _fork_running(path: str, args: list[str], passfds) -> int:
             os.closerange(low + 1, high)
         _process.retitle(args)
         sys.argv = ["-c"]
+        # each rank imports the agent's main module as its own (multiprocessing's __mp_main__),
+        # which runpy runs afresh, as in a cold start, only when it is not imported here yet
+        sys.modules.pop(__name__, None)
         main_module = types.ModuleType("__main__")
         sys.modules["__main__"] = main_module
         exec(code, main_module.__dict__)

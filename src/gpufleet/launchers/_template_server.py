@@ -76,7 +76,7 @@ class Server:
         self.path = folder / f"{key}.sock"
         self.info = folder / f"{key}.json"
         self.agents: dict[int, socket.socket] = {}  # agent pid -> the caller's connection
-        self.served = 0
+        self.served = {"agent": 0, "tracker": 0}  # runs' agents and calls' MLflow trackers forked
         self.closing = False
         self.tracking_imported = False
         self.stores: set[str] = set()
@@ -106,7 +106,8 @@ class Server:
     def _describe(self) -> None:
         """What ``gpufleet template status`` shows: written whole, then renamed into place."""
         staging = self.info.with_suffix(".json.new")
-        staging.write_text(json.dumps({**self.description, "served": self.served, "running": len(self.agents)}))
+        staging.write_text(json.dumps({**self.description, "runs": self.served["agent"],
+                                       "trackers": self.served["tracker"], "running": len(self.agents)}))
         os.rename(staging, self.info)
 
     def serve(self) -> None:
@@ -148,6 +149,8 @@ class Server:
                 wire.send(conn, {"refused": "stale"})
                 self._close()
                 raise ConnectionError("stale")
+            if request.get("kind") not in self.served:
+                raise ValueError(f"no such kind of process: {request.get('kind')!r}")
             if len(fds) != wire.STREAMS:
                 raise ValueError(f"{len(fds)} descriptors came with the request, not {wire.STREAMS}")
             agent = self._fork(request, fds, conn)
@@ -160,21 +163,21 @@ class Server:
             for fd in fds:
                 os.close(fd)
         self.agents[agent] = conn
-        self.served += 1
+        self.served[request["kind"]] += 1
         self.last_used = time.monotonic()
         self._describe()
         with contextlib.suppress(OSError):
             wire.send(conn, {"pid": agent})
 
     def _fork(self, request: dict, fds: list[int], conn: socket.socket) -> int:
-        if request.get("kind") == "tracker":
+        if request["kind"] == "tracker":
             self._import_tracking()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:  # never returns
             _become(request, fds, [self.listener, conn, *self.agents.values()])
-        if request.get("kind") == "tracker" and request.get("store"):
+        if request["kind"] == "tracker" and request.get("store"):
             self._open_store(request["store"])  # for the next tracker of that store
         return pid
 
