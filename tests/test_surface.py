@@ -33,7 +33,7 @@ def test_run_handle_and_command_line():
 
     commands = _parser()._subparsers._group_actions[0].choices
     assert sorted(commands) == ["cancel", "completion", "logs", "prune", "run", "runs", "schema", "status",
-                               "submit", "ui"]
+                               "submit", "template", "ui"]
 
 
 def test_runtime_functions():

@@ -267,7 +267,6 @@ def _become(request: dict, streams: list[int], sockets: list[socket.socket]) -> 
         if request.get("affinity") and hasattr(os, "sched_setaffinity"):
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, request["affinity"])
-        _threads_from_environment()
         _fresh_generators()
         _process.retitle(request["argv"])  # the cold process's command line
         code = _run(request)
@@ -298,16 +297,6 @@ def _run(request: dict) -> int:
     sys.argv = [_elastic_agent.__file__, *request["argv"][3:]]
     _elastic_agent.main(sys.argv, caller=request["caller"])
     return 0
-
-
-def _threads_from_environment() -> None:
-    """OpenMP reads OMP_NUM_THREADS once, as torch is imported; the template was started
-    without it, so the call's value is applied here."""
-    threads = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
 
 
 def _fresh_generators() -> None:

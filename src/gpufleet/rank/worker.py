@@ -69,8 +69,11 @@ def _leave_the_template() -> None:
     forkserver's keep-alive pipe (held by a rank, it would keep the template alive after the
     agent died; user code that starts its own forkserver gets a fresh one), multiprocessing's
     start method (the template's is "forkserver"; a process of its own has the platform's
-    default, which DataLoader workers rely on), and torch's random generator state (the same
-    in every rank; a process of its own seeds from the OS)."""
+    default, which DataLoader workers rely on), torch's random generator state (the same
+    in every rank; a process of its own seeds from the OS), and its thread count: OpenMP reads
+    OMP_NUM_THREADS once, as torch is imported, which for a template forked from the kept one
+    (``launchers/template.py``) was before the call's value was known. (Set here, in the rank:
+    set before a fork, torch's thread pools break the children's backward passes.)"""
     import multiprocessing
     from multiprocessing import forkserver
 
@@ -83,6 +86,9 @@ def _leave_the_template() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.seed()
+        threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
 
 
 def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
