@@ -171,6 +171,17 @@ def test_gpufleet_run_forks_from_the_template_and_its_ranks_get_their_own_argume
     assert template["runs"] == 2
 
 
+def test_a_submitted_run_forks_from_the_template(run_script, tmp_path, env):
+    source = PROBE.replace('print("RESULT " + json.dumps(probe.distributed()))',
+                           'print("RESULT " + json.dumps(probe.submit().result(timeout=120)))')
+    for _ in range(2):
+        result = run_script(source, tmp_path / "runs", env=env, timeout=180)
+        assert result.returncode == 0, result.explain()
+        assert "RESULT " in result.stdout, result.explain()
+    [template] = templates(env)
+    assert template["runs"] == 2
+
+
 def test_the_templates_files_are_private_to_the_user(run_script, tmp_path, env):
     probe_once(run_script, tmp_path, {**env, "GPUFLEET_TEMPLATE": "1"})
     folder = Path(env["GPUFLEET_HOME"]) / "template"
