@@ -198,6 +198,23 @@ def rank_processes(pid_dir: Path) -> list[psutil.Process]:
     return procs
 
 
+def run_processes(runs_dir: Path) -> list[psutil.Process]:
+    """Every running process of the runs in ``runs_dir``: the ranks (their pid files), and each
+    rank's agent with everything below it. Found from the ranks up: forked from a kept template,
+    they are not below the process that called."""
+    found: dict[int, psutil.Process] = {}
+    for pid_dir in Path(runs_dir).glob("*/attempt-*/pids"):
+        for rank in rank_processes(pid_dir):
+            try:
+                agent = next(p for p in [rank, *rank.parents()]
+                             if any("_elastic_agent" in part for part in p.cmdline()))
+                below = [agent, *agent.children(recursive=True)]
+            except (StopIteration, psutil.Error):
+                below = [rank]
+            found.update((p.pid, p) for p in below)
+    return list(found.values())
+
+
 # ---------------------------------------------------------------------------- subprocesses
 
 

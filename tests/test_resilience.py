@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import assert_all_gone, line_of, rank_lines, rank_processes, run_folders, run_processes
 
 import gpufleet
 from gpufleet import ConfigError, RunFailedError, distributed, runtime
-from support import assert_all_gone, line_of, rank_lines, rank_processes, run_folders
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -366,7 +366,7 @@ def test_launcher_killed_with_sigkill_leaves_no_rank_running(tmp_path, start_scr
     script.wait_for_output(
         lambda out: all(f"rank {r} is sleeping" in rank_lines(out, r) for r in (0, 1)),
         timeout=STARTUP_BOUND_S)
-    tree = script.sample_tree()
+    tree = script.sample_tree() + run_processes(tmp_path / "runs")
     ranks = rank_processes(pid_dir)
     assert len(ranks) == 2 and len(tree) >= 2, (ranks, tree)
 

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import resource
+import runpy
 import select
 import signal
 import socket
@@ -171,7 +172,7 @@ class Server:
 
     def _fork(self, request: dict, fds: list[int], conn: socket.socket) -> int:
         if request["kind"] == "tracker":
-            self._import_tracking()
+            self._import_tracking(request["argv"][2])
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -181,14 +182,14 @@ class Server:
             self._open_store(request["store"])  # for the next tracker of that store
         return pid
 
-    def _import_tracking(self) -> None:
-        """MLflow, imported on the first tracker's request (not every user tracks): about two
-        seconds, once, rather than in every call's tracker."""
+    def _import_tracking(self, module: str) -> None:
+        """MLflow and the tracker's module, imported on the first tracker's request (not every
+        user tracks): about two seconds, once, rather than in every call's tracker."""
         if not self.tracking_imported:
             self.tracking_imported = True
             with contextlib.suppress(ImportError):
-                __import__("gpufleet.runs.tracker")
                 __import__("mlflow")
+                __import__(module)
 
     def _open_store(self, uri: str) -> None:
         """Open the MLflow store a tracker used (its schema checked, its mappers built: most of
@@ -284,12 +285,9 @@ def _become(request: dict, streams: list[int], sockets: list[socket.socket]) -> 
 
 
 def _run(request: dict) -> int:
-    if request["kind"] == "tracker":
-        from gpufleet.runs import tracker
-
-        sys.modules["__main__"] = tracker
-        sys.argv = [tracker.__file__, *request["argv"][3:]]
-        return tracker.main()
+    if request["kind"] == "tracker":  # `python -m MODULE`, as its argv says
+        runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
+        return 0
     from gpufleet.launchers import _elastic_agent
 
     # multiprocessing hands the main module's name to the ranks, which import it as theirs

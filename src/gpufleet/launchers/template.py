@@ -37,7 +37,7 @@ import psutil
 from gpufleet import _environ
 from gpufleet._log import log
 from gpufleet.launchers import _template_wire as wire
-from gpufleet.rundir import check_private_dir
+from gpufleet.rundir import ensure_private_dir
 
 START_TIMEOUT_SECONDS = 120.0  # for a new template to import torch (a cold network file system)
 CONNECT_TIMEOUT_SECONDS = 10.0
@@ -58,8 +58,7 @@ _lock = threading.Lock()  # one start of a template at a time in this process
 
 def folder() -> Path:
     path = _environ.gpufleet_home() / "template"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_private_dir(path)
+    ensure_private_dir(path, closed=True)  # and $GPUFLEET_HOME above it, 0700 when made here
     return path
 
 
