@@ -48,7 +48,8 @@ class Call:
         """Check everything that can be checked before a process starts; ConfigError or
         PayloadError otherwise."""
         _environ.tracking_allowed()  # a bad GPUFLEET_TRACKING fails here, before a record exists
-        _environ.template_allowed() and _environ.template_idle_seconds()  # and a bad GPUFLEET_TEMPLATE*
+        if _environ.template_allowed():  # and a bad GPUFLEET_TEMPLATE or GPUFLEET_TEMPLATE_IDLE
+            _environ.template_idle_seconds()
         if options.remote:  # bad input fails before connecting to (or starting) a Ray cluster
             payload = dump_call(fn, args, kwargs)
             placement = launchers.place(options)
