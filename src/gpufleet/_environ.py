@@ -67,6 +67,18 @@ def node_rank() -> int:
     return int_var("NODE_RANK", int_var("GROUP_RANK", 0))
 
 
+def slurm_step() -> bool:
+    """Inside a Slurm job (its variables say where the machines meet: ``launchers/_slurm.py``)."""
+    return "SLURM_JOB_ID" in os.environ
+
+
+def settle_node_rank() -> None:
+    """NODE_RANK as the rendezvous placed this machine (elastic's GROUP_RANK), for a rank's
+    code that reads either: in a node run it is known only once the machines have met."""
+    if "GROUP_RANK" in os.environ:
+        os.environ["NODE_RANK"] = os.environ["GROUP_RANK"]
+
+
 def is_launched() -> bool:
     """True inside a rank started by a launcher (gpufleet, torchrun, ...)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -92,8 +92,6 @@ def add_option_flags(parser: argparse.ArgumentParser, *, workload: bool = False)
     torchrun = parser.add_argument_group("torchrun's flags, accepted with the same meaning")
     torchrun.add_argument("--standalone", action="store_true",
                           help="one machine with a rendezvous of its own: what a run here always is")
-    torchrun.add_argument("--nnodes", default="1", metavar="1",
-                          help="machines: 1 (a run across machines uses --remote, a Ray cluster)")
 
 
 def _add(group: argparse._ArgumentGroup, option: Option) -> None:
@@ -135,9 +133,6 @@ def options_from(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, st
     if requirements:
         given["pip"] = tuple(requirements)
         spelled = {**spelled, "pip": PIP_REQUIREMENT}
-    if getattr(args, "nnodes", "1") not in ("1", "1:1"):
-        raise ConfigError(f"--nnodes {args.nnodes}: a run here is one machine; a run across "
-                          "machines uses --remote (a Ray cluster, docs/cluster.md)")
     return given, spelled
 
 

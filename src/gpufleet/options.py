@@ -157,6 +157,10 @@ class RunOptions:
     runtime_env: Mapping | None = None  # Ray's runtime_env, merged into what gpufleet ships
     name: str | None = None  # the run's name (default: the function's)
     detach: bool = False  # .submit(): the run outlives the process that submitted it
+    nnodes: tuple[int, int] | None = None  # (min, max) machines of a node run; None: this one
+    node_rank: int | None = None  # this machine's place among them (orders the rendezvous)
+    rdzv_endpoint: str | None = None  # HOST:PORT of the node run's rendezvous
+    rdzv_id: str | None = None  # the node run's rendezvous id (default: its name)
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
@@ -338,6 +342,20 @@ OPTIONS = _options(
            "or script's)", "text", _STRING),
     Option("detach", "a submitted run goes on after the process that submitted it ends",
            "flag", {"type": "boolean"}, file=False),
+    Option("nnodes", "machines of a node run, each running gpufleet with the same options: N, or "
+           "MIN:MAX for an elastic run that restarts at the new size when a node is lost or joins "
+           "(default: one machine, or the Slurm allocation's nodes)", "nodes",
+           {"anyOf": [{"type": "integer", "minimum": 1},
+                      {"type": "string", "pattern": r"^\s*[0-9]+(\s*:\s*[0-9]+)?\s*$"}]},
+           metavar="N|MIN:MAX"),
+    Option("node_rank", "this machine's rank among a node run's machines (torchrun's; orders the "
+           "nodes: rank 0's ranks come first)", "count", {"type": "integer", "minimum": 0},
+           metavar="R"),
+    Option("rdzv_endpoint", "HOST:PORT where a node run's machines meet; the machine that has "
+           "HOST's address serves it (default port 29400; under Slurm: the first node)", "text",
+           _STRING, metavar="HOST:PORT"),
+    Option("rdzv_id", "a node run's id, the same on every machine (default: the run's name, "
+           "under Slurm the job and step)", "text", _STRING, metavar="ID"),
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(RunOptions)}
 assert list(OPTIONS) == list(_FIELDS), "OPTIONS and RunOptions list the same options, in order"
@@ -441,6 +459,10 @@ def _checked(options: Mapping[str, Any]) -> dict:
         "runtime_env": _check_runtime_env,
         "name": _check_name,
         "detach": _check_detach,
+        "nnodes": _check_nnodes,
+        "node_rank": _check_node_rank,
+        "rdzv_endpoint": _check_rdzv_endpoint,
+        "rdzv_id": _check_rdzv_id,
     }
     return {name: checks[name](value) for name, value in options.items()}
 
@@ -465,6 +487,12 @@ def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
             f"Ray cluster ({spell('remote', True)}): pass {spell('warm', False)}, or "
             f"{spell('remote', False)}"
         )
+    if run.nnodes is not None and (run.remote or run.warm):
+        other = spell("remote", True) if run.remote else spell("warm", True)
+        raise ConfigError(
+            f"{spell('nnodes', ':'.join(map(str, run.nnodes)))} runs gpufleet on each machine "
+            f"itself; it does not combine with {other}: drop one of them"
+        )
 
 
 def _check_gpus(gpus):
@@ -479,6 +507,54 @@ def _check_gpus(gpus):
             f"GPU (use {spell('gpus', None)} for every visible GPU)"
         )
     return gpus
+
+
+def _check_nnodes(nnodes):
+    """N, "N", "MIN:MAX" or (MIN, MAX), as (min, max); None: one machine."""
+    if nnodes is None:
+        return None
+    pair = nnodes
+    if isinstance(nnodes, int) and not isinstance(nnodes, bool):
+        pair = (nnodes, nnodes)
+    elif isinstance(nnodes, str) and re.fullmatch(r"\s*[0-9]+(\s*:\s*[0-9]+)?\s*", nnodes):
+        low, _, high = nnodes.partition(":")
+        pair = (int(low), int(high or low))
+    if not (isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+        raise ConfigError(f"{spell('nnodes', nnodes)} must be a number of machines, e.g. 2, or "
+                          "MIN:MAX for an elastic run, e.g. 1:4")
+    low, high = pair
+    if not 1 <= low <= high:
+        raise ConfigError(f"{spell('nnodes', nnodes)} must be at least 1, and MIN no more than MAX "
+                          "(e.g. 1:4: start with what joins, from 1 to 4 machines)")
+    return (low, high)
+
+
+def _check_node_rank(node_rank):
+    if node_rank is not None and (isinstance(node_rank, bool) or not isinstance(node_rank, int)
+                                  or node_rank < 0):
+        raise ConfigError(f"{spell('node_rank', node_rank)} must be a whole number ≥ 0: this "
+                          "machine's place among the run's machines")
+    return node_rank
+
+
+def _check_rdzv_endpoint(endpoint):
+    if endpoint is None:
+        return None
+    text = endpoint.strip() if isinstance(endpoint, str) else ""
+    host, _, port = text.rpartition(":") if text.rpartition(":")[2].isdigit() else (text, "", "")
+    host = host.strip("[]")  # [::1]:29400
+    if not host or (port and not 0 < int(port) < 65536):
+        raise ConfigError(f"{spell('rdzv_endpoint', endpoint)} must be HOST:PORT, e.g. "
+                          "10.0.0.1:29400 or node001:29400 (a machine every node can reach)")
+    return f"{host}:{port}" if port else host
+
+
+def _check_rdzv_id(rdzv_id):
+    if rdzv_id is not None and (not isinstance(rdzv_id, str) or not re.fullmatch(r"[\w.\-]+", rdzv_id)):
+        raise ConfigError(f"{spell('rdzv_id', rdzv_id)} must be letters, digits, '.', '-' or '_', "
+                          "the same on every machine of the run")
+    return rdzv_id
 
 
 def _check_gpu_type(gpu_type):

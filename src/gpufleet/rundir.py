@@ -12,6 +12,7 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -217,19 +218,27 @@ def new_id(name: str) -> str:
     return f"{_safe(name)}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
-def rank_pids(run: "RunDir", nprocs: int) -> list[int | None]:
+Ranks = int | Iterable[int]  # the ranks a folder holds: N for 0..N-1 (every rank on this machine)
+
+
+def rank_list(ranks: Ranks) -> list[int]:
+    """``ranks`` as a list: a count is ranks 0 to N-1; a node run's machine holds some of them."""
+    return list(range(ranks)) if isinstance(ranks, int) else list(ranks)
+
+
+def rank_pids(run: "RunDir", ranks: Ranks) -> list[int | None]:
     """Each rank's pid from its pid file (None where not written yet)."""
-    return [read_pid(run.pid_file(rank)) for rank in range(nprocs)]
+    return [read_pid(run.pid_file(rank)) for rank in rank_list(ranks)]
 
 
-def rank_groups(run: "RunDir", nprocs: int) -> list[int]:
+def rank_groups(run: "RunDir", ranks: Ranks) -> list[int]:
     """The process groups the ranks led, for the teardown. A group outlives its leader (what
     the rank started is still in it), and Linux gives no new process the id of a group that
     has members; but once the group is empty too, the pid may go to another process, which
     then leads a group of that id: a pid held by a process younger than the pid file is not
     the rank's, and its group is left alone."""
     groups = []
-    for rank in range(nprocs):
+    for rank in rank_list(ranks):
         path = run.pid_file(rank)
         pid = read_pid(path)
         try:

@@ -59,7 +59,7 @@ from typing import Any
 
 from gpufleet import _environ, telemetry
 from gpufleet._log import log
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import Ranks, RunDir, rank_list
 
 # What ends a step, strongest first: runtime.step(), the strategies' trainer, the loader's
 # next batch. The strongest seen in a call counts steps: none is ever counted twice.
@@ -419,8 +419,8 @@ class Reader:
     """The windows the ranks of an attempt wrote, as they come: the recent ones per rank for
     the live view, and per-rank totals for the summary."""
 
-    def __init__(self, folder: RunDir, world_size: int):
-        self._files = [telemetry.Follower(folder.steps(rank), _is_window) for rank in range(world_size)]
+    def __init__(self, folder: RunDir, ranks: Ranks):
+        self._files = [telemetry.Follower(folder.steps(rank), _is_window) for rank in rank_list(ranks)]
         self.recent: dict[int, deque[dict]] = {}
         self.totals: dict[int, _Totals] = {}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpufleet import _process
 from gpufleet.payload import write_private
-from gpufleet.rundir import RunDir
+from gpufleet.rundir import Ranks, RunDir, rank_list
 
 # The instants, in the order a run passes them, and the phase that ends at each.
 PHASES = (
@@ -132,10 +132,11 @@ def write_rank(path: Path) -> None:
     write_private(path, json.dumps(stamps()).encode())
 
 
-def gather(run_dir: Path, caller: dict[str, float], world_size: int) -> Timings:
-    """The caller's stamps and every rank's that was written, saved as ``timings.json``."""
+def gather(run_dir: Path, caller: dict[str, float], here: Ranks) -> Timings:
+    """The caller's stamps and those of every rank ``here`` that wrote them, saved as
+    ``timings.json``."""
     ranks = {}
-    for rank in range(world_size):
+    for rank in rank_list(here):
         try:
             ranks[rank] = json.loads(RunDir(run_dir).timings(rank).read_text())
         except (OSError, ValueError):

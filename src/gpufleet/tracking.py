@@ -142,7 +142,7 @@ class Followed:
     """An attempt whose files go into the run: its folder, its ranks, its straggler rule."""
 
     folder: RunDir
-    world_size: int
+    ranks: int | list[int]  # those the folder holds (a count: 0 to N-1)
     threshold: float
 
 
@@ -174,7 +174,7 @@ class SystemMetrics:
         with self._files_lock:
             self._files.append(telemetry.Follower(attempt.folder.telemetry))
             self._metrics.append(telemetry.Follower(attempt.folder.metrics_log, _is_metric_line))
-            self._steps.append((steps.Reader(attempt.folder, attempt.world_size), attempt.threshold))
+            self._steps.append((steps.Reader(attempt.folder, attempt.ranks), attempt.threshold))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gpufleet-system-metrics", daemon=True)
@@ -353,7 +353,7 @@ class PendingTracking:
 
     def follow(self, attempt: Followed) -> None:
         """Log an attempt's samples and steps into the run, now or as soon as it exists."""
-        self._send({"follow": [str(attempt.folder.path), attempt.world_size, attempt.threshold]})
+        self._send({"follow": [str(attempt.folder.path), attempt.ranks, attempt.threshold]})
 
     def close(self, status: str, error: BaseException | None = None) -> None:
         """The call ended with ``status`` (and ``error``): the tracker ends the run and attaches

@@ -5,6 +5,7 @@ imported only when that engine is chosen.
     local  every rank on this machine, started fresh for each attempt (``local.py``)
     warm   on the ranks of a warm pool, when one serves the run (``warm.py``)
     ray    on the GPUs of a Ray cluster: ``remote=True`` (``ray.py``)
+    nodes  this machine's ranks of a run over several machines, torchrun-style (``nodes.py``)
 """
 
 from __future__ import annotations
@@ -23,20 +24,29 @@ _LAUNCHERS = {
     "local": ("gpufleet.launchers.local", "LocalLauncher"),
     "warm": ("gpufleet.launchers.warm", "WarmLauncher"),
     "ray": ("gpufleet.launchers.ray", "RayLauncher"),
+    "nodes": ("gpufleet.launchers.nodes", "NodeLauncher"),
 }
 
 
 def place(options: RunOptions) -> Placement:
     """Where the run's ranks go (how many, on which device); ConfigError when they cannot.
     A remote launcher connects to its cluster to know."""
-    return _module(_remote(options) or "local").place(options)
+    return _module(_remote(options) or ("nodes" if nodes_wanted(options) else "local")).place(options)
 
 
 def for_run(placement: Placement, options: RunOptions, gate: Gate) -> Launcher:
     """The run's launcher: its cluster's with ``remote=``; a warm pool's when one serves the
     run (``gpufleet.pool``, ``warm=True``); else cold starts on this machine."""
-    name = _remote(options) or ("warm" if _pooled(placement, options) else "local")
+    name = _remote(options) or ("nodes" if nodes_wanted(options) else None) or (
+        "warm" if _pooled(placement, options) else "local")
     return getattr(_module(name), _LAUNCHERS[name][1])(placement, options, gate)
+
+
+def nodes_wanted(options: RunOptions) -> bool:
+    """A run over several machines, each running gpufleet (``nodes.wanted``)."""
+    from gpufleet.launchers import nodes
+
+    return nodes.wanted(options)
 
 
 def _remote(options: RunOptions) -> str | None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from gpufleet import _environ, _process, timings
 from gpufleet._log import log
+from gpufleet.launchers import _rendezvous
 from gpufleet.payload import write_private
 from gpufleet.rank import worker
 from gpufleet.rundir import LauncherState, RunDir, rank_groups
@@ -65,7 +66,7 @@ def main(argv: list[str], caller: int | None = None) -> None:
         _process.die_with(caller, signal.SIGTERM)
     if adopting:
         _start_reaper(own)
-    report = _launch(run, spec["nprocs"], own)
+    report = _launch(run, spec["nprocs"], own, spec.get("node"))
     write_private(run.agent_report, json.dumps(report).encode())
     sys.exit(0 if report["state"] == LauncherState.SUCCEEDED else 1)
 
@@ -146,18 +147,24 @@ def _start_reaper(own: set[int]) -> None:
     threading.Thread(target=reap, name="gpufleet-reaper", daemon=True).start()
 
 
-def _launch(run: RunDir, nprocs: int, own: set[int]) -> dict:
+def _launch(run: RunDir, nprocs: int, own: set[int], node: dict | None) -> dict:
+    """Elastic's agent over this machine's ranks: the run's only machine, or one of a node
+    run's (``node``: its rendezvous, ``_rendezvous.py``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    here = list(range(nprocs))  # this machine's ranks: a node run's rendezvous places them
     try:
-        _register_loopback_rendezvous()
+        if node is None:
+            _register_loopback_rendezvous()
+        else:
+            _rendezvous.prepare(run, node, here)
         _plain_tracebacks()
         _report_every_failed_rank()
         timings.mark("launcher_ready")
         timings.write_rank(run.agent_timings)
-        elastic_launch(_config(run, nprocs), worker.main)(str(run.path))
+        elastic_launch(_config(run, nprocs, node), worker.main)(str(run.path))
     except ChildFailedError as exc:
         return {"state": LauncherState.FAILED, "failures": _failures(exc)}
     except SignalException as exc:
@@ -167,15 +174,15 @@ def _launch(run: RunDir, nprocs: int, own: set[int]) -> dict:
     finally:
         # bounded in time; a second SIGTERM (the caller dying meanwhile) must not cut it short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _end_rank_groups(run, nprocs)
+        _end_rank_groups(run, here)
         _end_daemons(own)
     return {"state": LauncherState.SUCCEEDED}
 
 
-def _end_rank_groups(run: RunDir, nprocs: int) -> None:
+def _end_rank_groups(run: RunDir, ranks: list[int]) -> None:
     """Elastic stops a rank it forked by its pid alone; what the rank started (loader
     workers, compilers, user subprocesses) shares the rank's process group and ends here."""
-    _process.kill_groups(rank_groups(run, nprocs))
+    _process.kill_groups(rank_groups(run, ranks))
 
 
 def _end_daemons(own: set[int]) -> None:
@@ -188,7 +195,7 @@ def _end_daemons(own: set[int]) -> None:
         log.warning(f"processes the ranks started did not end after SIGKILL: {left}")
 
 
-def _config(run: RunDir, nprocs: int):
+def _config(run: RunDir, nprocs: int, node: dict | None):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -207,6 +214,8 @@ def _config(run: RunDir, nprocs: int):
         shutdown_timeout=SHUTDOWN_GRACE_SECONDS,  # newer torch only; older ones wait 30 s
         logs_specs=DefaultLogsSpecs(log_dir=str(run.elastic_logs), redirects=Std.NONE, tee=Std.NONE),
     )
+    if node is not None:
+        options.update(_rendezvous.config(node))
     # torch>=2.4 is supported: leave out what this version's LaunchConfig does not have yet.
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
     return LaunchConfig(**{k: v for k, v in options.items() if k in known})

@@ -77,7 +77,7 @@ class RayJob(Job):
         self.stamps: dict[str, float] = {}
         self.group = None  # the placement group, once asked for
         self.actors: list = []  # one per bundle, in bundle order
-        self.ranks: list[RankActor] = []  # in rank order, once started
+        self.rank_actors: list[RankActor] = []  # in rank order, once started
         self.returncode: int | None = None
         self._done = threading.Event()
         self._quit = threading.Event()
@@ -110,7 +110,7 @@ class RayJob(Job):
     # -- start and release ------------------------------------------------------------------
 
     def start(self, ranks: list[RankActor]) -> "RayJob":
-        self.ranks = ranks
+        self.rank_actors = ranks
         self.world_size = len(ranks)
         self.monitor = RemoteMonitor(self.run, len(ranks), self)
         self._hosts = {str(r.rank): r.where for r in ranks}
@@ -133,7 +133,7 @@ class RayJob(Job):
                     self._pump_thread.join(RELEASE_WAIT_S)
                 if self.returncode is None:
                     _quietly(self._finish, stopped=True)
-                gone = {r.bundle for r in self.ranks if r.lost is not None and r.actor_dead}
+                gone = {r.bundle for r in self.rank_actors if r.lost is not None and r.actor_dead}
                 closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in gone]
                 if closes:  # each kills its rank's processes and removes its node's copy of the run
                     ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S + CLOSE_MARGIN_S)
@@ -157,14 +157,14 @@ class RayJob(Job):
                 self._poll_round()
                 self._push_caller_files()
                 self._fail_fast()
-                if all(r.final for r in self.ranks):
+                if all(r.final for r in self.rank_actors):
                     self._finish()
                     return
                 time.sleep(PUMP_SECONDS)
         except Exception:  # never a silent hang: what is left of the job counts as lost
             why = traceback.format_exc().strip().splitlines()[-1]
             self._note(f"the pump failed:\n{traceback.format_exc()}")
-            for r in self.ranks:
+            for r in self.rank_actors:
                 if not r.final:
                     self._lose(r, f"lost: gpufleet stopped following it ({why})")
             self._finish()
@@ -173,7 +173,7 @@ class RayJob(Job):
         import ray
 
         now = time.monotonic()
-        live = [r for r in self.ranks if not r.final]
+        live = [r for r in self.rank_actors if not r.final]
         for r in live:
             if r.pending is None:
                 r.pending, r.asked_at = r.actor.poll.remote(), now
@@ -259,8 +259,8 @@ class RayJob(Job):
     def _fail_fast(self) -> None:
         """The first rank that fails or is lost stops the others: SIGTERM, then SIGKILL
         after STOP_GRACE_SECONDS; a rank still not ended after that is lost."""
-        if self._stopping_since is None and any(r.failed for r in self.ranks):
-            failed = next(r for r in self.ranks if r.failed)
+        if self._stopping_since is None and any(r.failed for r in self.rank_actors):
+            failed = next(r for r in self.rank_actors if r.failed)
             self._note(f"rank {failed.rank} failed: stopping the others")
             self._stop()
         if self._stopping_since is None:
@@ -270,7 +270,7 @@ class RayJob(Job):
             self._killed = True
             self._signal_all(signal.SIGKILL)
         if waited > STOP_GRACE_SECONDS + UNAVAILABLE_LOST_S:
-            for r in self.ranks:
+            for r in self.rank_actors:
                 if not r.final:
                     self._lose(r, f"lost: it did not end within {UNAVAILABLE_LOST_S:g} s of SIGKILL")
 
@@ -280,7 +280,7 @@ class RayJob(Job):
             self._signal_all(signal.SIGTERM)
 
     def _signal_all(self, signum: int) -> None:
-        for r in self.ranks:
+        for r in self.rank_actors:
             if not r.final:
                 r.actor.signal.remote(int(signum))
 
@@ -291,7 +291,7 @@ class RayJob(Job):
             if not path.exists():
                 continue
             data = None
-            for r in self.ranks:
+            for r in self.rank_actors:
                 if path.name not in r.pushed and not r.final:
                     data = data if data is not None else path.read_bytes()
                     r.actor.push.remote(path.name, data)
@@ -301,7 +301,7 @@ class RayJob(Job):
         """Write the launcher's report (``agent.json``, as the local agent does), then tell
         the supervisor that the job ended."""
         failures = {}
-        for r in self.ranks:
+        for r in self.rank_actors:
             if r.lost is not None:
                 failures[str(r.rank)] = {"lost": r.lost, "time": r.ended_at}
             elif r.failed:  # an exit code, or an exit 0 before the rank returned
@@ -330,19 +330,19 @@ class RayJob(Job):
 
     def ranks_alive(self) -> int:
         """Ranks that run their function now: started, neither exited nor lost."""
-        return sum(r.started and not r.final for r in self.ranks)
+        return sum(r.started and not r.final for r in self.rank_actors)
 
     def all_started(self) -> bool:
-        return bool(self.ranks) and all(r.started or r.final for r in self.ranks)
+        return bool(self.rank_actors) and all(r.started or r.final for r in self.rank_actors)
 
     def collect_stacks(self, skip=()) -> dict[int, diagnosis.RankState | None]:
         """Every live rank's stacks, asked of its actor (which signals the rank on its node
         and waits for the dump), parsed as a local rank's are."""
         import ray
 
-        asked = {r.rank: r.actor.stacks.remote(STACKS_WAIT_S) for r in self.ranks
+        asked = {r.rank: r.actor.stacks.remote(STACKS_WAIT_S) for r in self.rank_actors
                  if r.started and not r.final and r.rank not in skip}
-        states: dict[int, diagnosis.RankState | None] = {r.rank: None for r in self.ranks}
+        states: dict[int, diagnosis.RankState | None] = {r.rank: None for r in self.rank_actors}
         if asked:
             ray.wait(list(asked.values()), num_returns=len(asked), timeout=STACKS_WAIT_S + 2)
         for rank, ref in asked.items():

@@ -15,9 +15,10 @@ The watcher knows jobs only through ``Job``; a new way of starting ranks is one 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from gpufleet.errors import RunFailedError
+from gpufleet.errors import RankFailure, RunFailedError
 from gpufleet.rundir import Attempt, RunDir
 
 if TYPE_CHECKING:
@@ -100,6 +101,17 @@ class Job(abc.ABC):
     def describe(self) -> str:
         """The launcher in a few words, for an error that says it was lost."""
 
+    @property
+    def ranks(self) -> Sequence[int]:
+        """The ranks that write into ``attempt``: all of them, or one machine's in a node run."""
+        return range(self.world_size)
+
+    def cause(self, failures: list[RankFailure]) -> RankFailure | None:
+        """What ended the attempt outside this job's ranks (a rank that failed on another
+        machine of a node run, a machine that was lost), given the failures of its own ranks;
+        None when those are the whole story."""
+        return None
+
     def __enter__(self) -> "Job":
         return self
 
@@ -126,6 +138,11 @@ class Launcher(abc.ABC, Generic[P]):
     def launch(self, plan: P) -> Job:
         """Start the plan's ranks; returns once they are starting. Raises ``RunFailedError``
         when they cannot start (the gate stopped the wait; a cluster lacks room in time)."""
+
+    def resized(self, error: RunFailedError) -> bool:
+        """Whether ``error`` ended an attempt because the run's machines changed (an elastic
+        run): the next attempt starts at the new size, and is not counted as a retry."""
+        return False
 
     def close(self) -> None:
         """The run is over: free what its attempts shared."""

@@ -8,6 +8,7 @@ watcher drives it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -43,6 +44,7 @@ class LaunchPlan:
     argv: list[str]
     env: dict[str, str]
     nprocs: int
+    node: dict | None = None  # a node run's rendezvous, for the agent (``nodes.py``)
 
     def describe(self) -> str:
         """The command and the variables gpufleet decides (values a caller passes may be
@@ -69,7 +71,7 @@ class LocalLauncher(Launcher[LaunchPlan]):
         self.gate.begin(lease.ids)
         # the devices replace this process's CUDA_VISIBLE_DEVICES; a caller's env= still wins
         env = {**plan.env, **lease.env(), **self.options.env}
-        agent = launch(LaunchPlan(plan.folder, plan.argv, env, plan.nprocs))
+        agent = launch(dataclasses.replace(plan, env=env))
         return LocalJob(agent, plan.folder, plan.nprocs)
 
     def close(self) -> None:
@@ -80,6 +82,7 @@ class LocalLauncher(Launcher[LaunchPlan]):
             self.lease.release()
 
     def _hold_devices(self) -> devices.Lease:
+        """This machine's devices for the run, taken at the first launch, kept by its retries."""
         if self.lease is None:
             # a run started inside a rank uses the rank's own devices, which its run holds
             if self.placement.takes_devices and _environ.run_dir() is None:
@@ -191,7 +194,7 @@ def launch(launch_plan: LaunchPlan) -> subprocess.Popen | template.Forked:
     a call made from a short-lived thread, or a pool started by one, outlives it.
     """
     folder = launch_plan.folder
-    spec = {"nprocs": launch_plan.nprocs}
+    spec = {"nprocs": launch_plan.nprocs, "node": launch_plan.node}
     write_private(folder.path / "launch.json", json.dumps(spec).encode())
     log_fd = os.open(folder.agent_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:

@@ -57,6 +57,7 @@ def main(run_dir: str) -> None:
     sys.argv = [__file__, run_dir]
     run = RunDir(Path(run_dir))
     rank = _environ.rank()
+    _environ.settle_node_rank()
     umask = _environ.caller_umask()
     if umask is not None:
         os.umask(umask)

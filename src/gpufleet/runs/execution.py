@@ -50,6 +50,10 @@ class Call:
         _environ.tracking_allowed()  # a bad GPUFLEET_TRACKING fails here, before a record exists
         if _environ.template_allowed():  # and a bad GPUFLEET_TEMPLATE or GPUFLEET_TEMPLATE_IDLE
             _environ.template_idle_seconds()
+        if launchers.nodes_wanted(options) and options.rdzv_id is None:  # the same on every machine
+            from gpufleet.launchers import nodes
+
+            options = options.replace(rdzv_id=nodes.default_id(options, name))
         if options.remote:  # bad input fails before connecting to (or starting) a Ray cluster
             payload = dump_call(fn, args, kwargs)
             placement = launchers.place(options)
@@ -154,10 +158,17 @@ class _Execution:
 
     def _attempts(self) -> list:
         earlier: list[RunFailedError] = []
+        number = 0
         while True:
             try:
-                return self._attempt(len(earlier), self.call.called_at if not earlier else time.time())
+                return self._attempt(number, self.call.called_at if not number else time.time())
             except RunFailedError as error:
+                number += 1
+                assert self.launcher is not None
+                if self.preemption.requested_at is None and self.launcher.resized(error):
+                    log.warning(f"{error.root_line()}: the run's machines changed; starting every "
+                                "rank again at the new size")
+                    continue
                 if (self.preemption.requested_at is not None or len(earlier) == self.opts.max_retries
                         or not retryable(error, self.opts.no_retry)):
                     if not earlier:

@@ -57,8 +57,8 @@ def _follow(tracking: Tracking, messages: queue.Queue) -> dict | None:
     """Take the caller's messages until ``close`` (returned) or the end of stdin (None)."""
     while (message := messages.get()) is not None:
         if "follow" in message:
-            folder, world_size, threshold = message["follow"]
-            tracking.system.follow(Followed(RunDir(Path(folder)), world_size, threshold))
+            folder, ranks, threshold = message["follow"]
+            tracking.system.follow(Followed(RunDir(Path(folder)), ranks, threshold))
         elif "attempt" in message:
             tracking.attempt(message["attempt"])
         elif "close" in message:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gpufleet import _stacks
 from gpufleet.errors import RankFailure
+from gpufleet.rundir import Ranks, rank_list
 
 _FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S+)')
 
@@ -158,7 +159,7 @@ def parse_dump(rank: int, text: str) -> RankState:
 
 def analyse(
     states: dict[int, RankState | None],
-    world_size: int,
+    ranks: Ranks,
     stacks_dir: Path,
     finished: Collection[int] = frozenset(),
 ) -> tuple[str, list[RankFailure]]:
@@ -170,8 +171,9 @@ def analyse(
     Ranks that already returned (``finished``) wait for the others and are never culprits.
     """
     waiting = {r: s.collective for r, s in states.items() if s is not None and s.collective and r not in finished}
-    silent = sorted(r for r in range(world_size) if states.get(r) is None and r not in finished)
-    live = sorted(set(range(world_size)) - set(finished))
+    here = rank_list(ranks)
+    silent = sorted(r for r in here if states.get(r) is None and r not in finished)
+    live = sorted(set(here) - set(finished))
     if waiting and len(waiting) < len(live):
         culprits = sorted(set(live) - set(waiting))
     elif waiting:  # every rank in a collective: the odd ones out, if a majority shows which
@@ -182,7 +184,7 @@ def analyse(
     else:
         culprits = live
     failures = []
-    for rank in range(world_size):
+    for rank in here:
         state = states.get(rank)
         culprit = rank in culprits
         if rank in finished:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from gpufleet.rundir import Ranks, rank_list
 from gpufleet.watch.progress import PlainDisplay
 
 TAIL_LINES = 15
@@ -272,7 +273,7 @@ class LogFollower:
     def __init__(
         self,
         path_of: Callable[[int], Path],
-        world_size: int,
+        ranks: Ranks,
         shows: Callable[[int], bool],
         out: TextIO | None = None,
         display: PlainDisplay | None = None,
@@ -283,10 +284,10 @@ class LogFollower:
         ``out`` (``sys.stdout`` at each write). ``collapse``: show a line that several ranks
         print alike once (the module's docstring); with one shown rank there is nothing to
         collapse, and nothing is held."""
-        self._logs = {rank: _RankLog(path_of(rank)) for rank in range(world_size)}
+        self._logs = {rank: _RankLog(path_of(rank)) for rank in rank_list(ranks)}
         self._shows = shows
         self._display = display or PlainDisplay(out)
-        shown = [rank for rank in range(world_size) if shows(rank)]
+        shown = [rank for rank in self._logs if shows(rank)]
         self._held = _Held(shown) if collapse and len(shown) > 1 else None
 
     def poll(self, final: bool = False) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from gpufleet import _process, _stacks
-from gpufleet.rundir import RunDir, read_pid
+from gpufleet.rundir import Ranks, RunDir, rank_list, read_pid
 from gpufleet.watch import diagnosis
 
 SAMPLE_EVERY_S = 0.5
@@ -42,13 +42,13 @@ class _Rank:
 class RunMonitor:
     """Watches the ranks of one run; ``sample()`` is called from the supervisor's loop."""
 
-    def __init__(self, run: RunDir, world_size: int, nccl_traces: Path | None = None):
-        """``nccl_traces``: the prefix of the ranks' NCCL flight-recorder files, when not the
-        run's own (a warm pool's ranks keep the one they started with)."""
+    def __init__(self, run: RunDir, ranks: Ranks, nccl_traces: Path | None = None):
+        """``ranks``: those the run folder holds (a count: 0 to N-1). ``nccl_traces``: the
+        prefix of the ranks' NCCL flight-recorder files, when not the run's own (a warm pool's
+        ranks keep the one they started with)."""
         self.run = run
         self.nccl_traces = nccl_traces or run.nccl_traces
-        self.world_size = world_size
-        self.ranks = {r: _Rank() for r in range(world_size)}
+        self.ranks = {r: _Rank() for r in rank_list(ranks)}
         self.global_ooms = _vmstat_oom_kills()
         self.started_at: float | None = None  # wall time once every rank has a pid
         self.last_progress = 0.0
@@ -65,7 +65,7 @@ class RunMonitor:
         if self.started_at is None:
             return None
         beats = []
-        for rank in range(self.world_size):
+        for rank in self.ranks:
             try:
                 beats.append(self.run.heartbeat(rank).stat().st_mtime)
             except FileNotFoundError:
@@ -156,7 +156,7 @@ class RunMonitor:
                 pass
         _request_nccl_dumps(self.nccl_traces, asked)
         end = time.monotonic() + STACKS_WAIT_S
-        states: dict[int, diagnosis.RankState | None] = {r: None for r in range(self.world_size)}
+        states: dict[int, diagnosis.RankState | None] = {r: None for r in self.ranks}
         pending = set(asked)
         while pending and time.monotonic() < end:
             time.sleep(0.1)

@@ -32,9 +32,9 @@ from gpufleet.watch.monitor import RunMonitor
 
 def hung(job: Job, options: RunOptions) -> RunHangError:
     """Every rank's stacks, read for who waits in a collective and who does not."""
-    finished = {r for r in range(job.world_size) if job.attempt.result(r).exists()}
+    finished = {r for r in job.ranks if job.attempt.result(r).exists()}
     states = job.monitor.collect_stacks(skip=finished)
-    found, failures = diagnosis.analyse(states, job.world_size, job.attempt.path / "stacks", finished)
+    found, failures = diagnosis.analyse(states, job.ranks, job.attempt.path / "stacks", finished)
     for failure in failures:
         if not failure.collateral:
             failure.log_tail = tail_lines(job.attempt.log(failure.rank), count=5)
@@ -57,7 +57,7 @@ def preempted(job: Job, options: RunOptions) -> RunPreemptedError:
     report = _read_report(job.reports)
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
-    for rank in range(job.world_size):
+    for rank in job.ranks:
         status, failure = _read_result(job.attempt, rank)
         if status == "ok":
             values[rank] = failure
@@ -77,7 +77,7 @@ def preempted(job: Job, options: RunOptions) -> RunPreemptedError:
         failures.append(failure)
     if not failures:
         return RunPreemptedError(
-            [], results=[values[r] for r in range(job.world_size)], run_dir=job.attempt.path,
+            [], results=[values[r] for r in job.ranks], run_dir=job.attempt.path,
             world_size=job.world_size,
             headline=f"the caller got SIGTERM; all {job.world_size} ranks stopped within "
             f"grace_period={options.grace_period:g} s (their return values: .results)",
@@ -99,7 +99,7 @@ def preempted(job: Job, options: RunOptions) -> RunPreemptedError:
 def timed_out(job: Job, options: RunOptions) -> RunTimeoutError:
     """Where each rank still running was when the timeout expired."""
     states = job.monitor.collect_stacks()
-    finished = {r for r in range(job.world_size) if job.attempt.result(r).exists()}
+    finished = {r for r in job.ranks if job.attempt.result(r).exists()}
     running = [
         RankFailure(
             rank=rank,
@@ -107,7 +107,7 @@ def timed_out(job: Job, options: RunOptions) -> RunTimeoutError:
             summary="still running when the timeout expired" + _where(states.get(rank)),
             log_tail=tail_lines(job.attempt.log(rank), count=5),
         )
-        for rank in range(job.world_size)
+        for rank in job.ranks
         if rank not in finished
     ]
     headline = (
@@ -138,7 +138,8 @@ def collect(attempt: RunDir, world_size: int, job: Job | None = None) -> list:
     hosts = report.get("hosts", {})  # a cluster launcher names each rank's node
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
-    for rank in range(world_size):
+    ranks = job.ranks if job else range(world_size)
+    for rank in ranks:
         status, item = _read_result(attempt, rank)
         if status == "ok":
             values[rank] = item
@@ -148,7 +149,12 @@ def collect(attempt: RunDir, world_size: int, job: Job | None = None) -> list:
         failure.log_tail = tail_lines(attempt.log(rank), end=failure.log_bytes)
         failures.append(failure)
     if not failures:
-        return [values[rank] for rank in range(world_size)]
+        return [values[rank] for rank in ranks]
+    cause = job.cause(failures) if job else None
+    if cause is not None:  # this machine's ranks failed or were stopped because of it
+        for failure in failures:
+            failure.collateral = True
+        failures.insert(0, cause)
     failures, stopped = _split_stopped(failures)
     lost = report.get("state") == LauncherState.LOST and job is not None and job.poll() is not None
     headline = _lost_launcher(job) if lost and job is not None else None

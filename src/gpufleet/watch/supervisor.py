@@ -84,23 +84,24 @@ class Supervisor:
         self.job = job
         self.folder = job.attempt  # where the ranks write
         self.world_size = job.world_size
+        self.ranks = list(job.ranks)  # those that write into this folder: all, or one node's
         self.monitor = job.monitor
         self.returned = False  # every rank wrote its result and the ranks live on
         self.stamps = {**stamps, **job.stamps}
         self.began = self.stamps.get("call", time.time())  # for the status line's clock
         self.tracking = tracking  # handed to the ranks once ready (tracking.json)
         if tracking is not None:  # the nodes' samples and ranks' steps go into the MLflow run
-            tracking.follow(Followed(self.folder, self.world_size, options.straggler_threshold))
+            tracking.follow(Followed(self.folder, self.ranks, options.straggler_threshold))
         self.tracking_due = time.monotonic() + CALLER_WAIT_S
         self.number = attempt  # 0: the first attempt
         self.preemption = preemption
         self.options = options
         self.display = progress.open_display()  # draws nothing until the call has run a while
-        self.follower = LogFollower(self.folder.log, self.world_size, options.shows_rank, display=self.display,
+        self.follower = LogFollower(self.folder.log, self.ranks, options.shows_rank, display=self.display,
                                     collapse=options.collapse_lines)
         self.progress = progress.ProgressFile(self.folder.progress)
         self.telemetry = telemetry.Latest(self.folder.telemetry)  # for the status line's GPUs
-        self.steps = steps.Reader(self.folder, self.world_size)  # its throughput and stragglers
+        self.steps = steps.Reader(self.folder, self.ranks)  # its throughput and stragglers
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
 
     def wait(self, deadline: float | None = None) -> list:
@@ -145,7 +146,7 @@ class Supervisor:
 
     def _save_timings(self) -> None:
         try:
-            found = timings.gather(self.folder.path, self.stamps, self.world_size)
+            found = timings.gather(self.folder.path, self.stamps, self.ranks)
         except OSError:  # the run folder is gone: nothing to keep, nothing to print
             return
         if self.options.show_timings:
@@ -240,7 +241,7 @@ class Supervisor:
                 return Ending.CANCEL
             if not self.folder.path.is_dir():  # nothing could be kept, nor the run be cancelled
                 return Ending.DELETED
-            if all(self.folder.result(r).exists() for r in range(self.world_size)):
+            if all(self.folder.result(r).exists() for r in self.ranks):
                 self.stamps["ranks_returned"] = time.time()
                 self.follower.poll()
                 self.returned = True

@@ -1,0 +1,221 @@
+"""What the machines of a node run share: one TCP store, served by the gpufleet process of the
+machine that holds the rendezvous endpoint's address, for the whole run.
+
+torch elastic's agents meet in it (the c10d rendezvous, ``is_host=false`` on every machine),
+one rendezvous per round; gpufleet's own keys, under ``gpufleet/<rdzv_id>/``, make the machines
+act as one run:
+
+    round              the round now running (each round: a rendezvous of its own, ``<id>.r<K>``)
+    beat/<node>        a counter each machine's gpufleet adds to every BEAT_S seconds
+    r<K>/node/<g>      node g of round K: its id, address and ranks (written once it has met)
+    r<K>/ended         why round K ended, first writer wins: a rank's failure, a lost machine,
+                       a machine that asks to join; every machine stops its ranks on seeing it
+    done/<node>        the machine's ranks returned; the serving machine waits for every one
+                       before it closes the store
+
+A machine is lost when its counter stops for LOST_AFTER_S. Counters, not clocks: the machines'
+clocks need not agree.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from gpufleet._log import log
+
+BEAT_S = 0.5
+LOST_AFTER_S = 6.0  # no beat for this long: the machine (or its gpufleet) is gone
+CONNECT_TIMEOUT_S = 600.0  # for the serving machine to come up: torchrun's join timeout
+OP_TIMEOUT_S = 30.0
+DONE_WAIT_S = 60.0  # the serving machine waits this long for the others to finish
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Why a round ended, as every machine reads it."""
+
+    kind: str  # "failed" (a rank), "lost" (a machine), "joined" (a machine asks in), "stopped"
+    node: int  # the group rank of the machine it happened on (-1: a machine not in the round)
+    addr: str
+    summary: str
+    rank: int = -1
+    traceback: str = ""
+    by: str = ""  # the id of the machine that wrote it
+
+    def where(self) -> str:
+        return f"node {self.node} ({self.addr})" if self.node >= 0 else self.addr
+
+    @classmethod
+    def read(cls, raw: bytes) -> "Ended":
+        return cls(**json.loads(raw))
+
+    def dump(self) -> bytes:
+        return json.dumps(self.__dict__).encode()
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (of its network namespace)."""
+    import psutil
+
+    try:
+        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return bool(wanted & mine)
+
+
+def route_to(host: str, port: int) -> tuple[str, str | None]:
+    """This machine's address that reaches ``host``, and the interface that holds it: the
+    ranks' and the agents' address, and gloo's and NCCL's socket interface."""
+    import psutil
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
+        probe.connect(family[4])  # UDP: no packet is sent, the kernel only picks the route
+        addr = probe.getsockname()[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return addr, name
+    return addr, None
+
+
+class NodeStore:
+    """This machine's connection to the run's store (and the store itself on the serving
+    machine), with the thread that beats for it."""
+
+    def __init__(self, host: str, port: int, run_id: str, me: str, server):
+        self.host, self.port, self.me = host, port, me
+        self.prefix = f"gpufleet/{run_id}/"
+        self.server = server  # the TCPStore this process serves, or None
+        self._stores = threading.local()  # one client per thread: no two ops share a socket
+        self._stop = threading.Event()
+        self._beats = threading.Thread(target=self._beat, name="gpufleet-node-beat", daemon=True)
+        self._seen: dict[str, tuple[int, float]] = {}  # node id -> (its counter, when it moved)
+        self.gone: BaseException | None = None  # the store could not be reached any more
+
+    @classmethod
+    def open(cls, host: str, port: int, run_id: str, me: str) -> "NodeStore":
+        """Serve the store when ``host`` is this machine's (and the port is free), else
+        connect to it, waiting up to CONNECT_TIMEOUT_S for the serving machine."""
+        from torch.distributed import TCPStore
+
+        server = None
+        if is_local(host):
+            try:
+                server = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=OP_TIMEOUT_S))
+            except (RuntimeError, ValueError) as exc:  # another node of this machine serves it
+                log.debug(f"the rendezvous store on port {port} is served elsewhere: {exc}")
+        store = cls(host, port, run_id, me, server)
+        store.client(connect_timeout=CONNECT_TIMEOUT_S).compare_set(store.prefix + "round", "", "0")
+        store._beats.start()
+        return store
+
+    def client(self, connect_timeout: float = OP_TIMEOUT_S):
+        from torch.distributed import TCPStore
+
+        store = getattr(self._stores, "store", None)
+        if store is None:
+            store = TCPStore(self.host, self.port, is_master=False, multi_tenant=True,
+                             timeout=datetime.timedelta(seconds=connect_timeout))
+            store.set_timeout(datetime.timedelta(seconds=OP_TIMEOUT_S))
+            self._stores.store = store
+        return store
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def round(self) -> int:
+        return int(self.client().get(self.prefix + "round"))
+
+    def next_round(self, ended: int) -> int:
+        """Round ``ended`` is over: the next one (whoever asks first moves it on)."""
+        value = self.client().compare_set(self.prefix + "round", str(ended), str(ended + 1))
+        return int(value)
+
+    def joined(self, number: int, node: int, info: dict) -> None:
+        self.client().set(f"{self.prefix}r{number}/node/{node}", json.dumps(info))
+
+    def members(self, number: int, nnodes: int) -> dict[int, dict]:
+        """The machines of round ``number`` that have met, by group rank."""
+        keys = [f"{self.prefix}r{number}/node/{g}" for g in range(nnodes)]
+        store = self.client()
+        return {g: json.loads(store.get(k)) for g, k in enumerate(keys) if store.check([k])}
+
+    def started(self, number: int) -> bool:
+        return self.client().check([f"{self.prefix}r{number}/node/0"])
+
+    def end(self, number: int, why: Ended) -> Ended:
+        """Say why round ``number`` ended, unless a machine said it first: the first word."""
+        key = f"{self.prefix}r{number}/ended"
+        return Ended.read(self.client().compare_set(key, "", why.dump()))
+
+    def ended(self, number: int) -> Ended | None:
+        key = f"{self.prefix}r{number}/ended"
+        store = self.client()
+        return Ended.read(store.get(key)) if store.check([key]) else None
+
+    # -- liveness ----------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            try:
+                self.client().add(f"{self.prefix}beat/{self.me}", 1)
+            except Exception as exc:  # the serving machine is gone: the watch says so
+                self.gone = exc
+                return
+
+    def stale(self, ids: list[str]) -> list[str]:
+        """Those of ``ids`` whose counter has not moved for LOST_AFTER_S (the first look at
+        a machine starts its clock)."""
+        store, now, stale = self.client(), time.monotonic(), []
+        for node in ids:
+            count = store.add(f"{self.prefix}beat/{node}", 0)
+            last = self._seen.get(node)
+            if last is None or last[0] != count:
+                self._seen[node] = (count, now)
+            elif now - last[1] > LOST_AFTER_S:
+                stale.append(node)
+        return stale
+
+    def beaten_since(self, ids: list[str], since: dict[str, int]) -> bool:
+        store = self.client()
+        return all(store.add(f"{self.prefix}beat/{n}", 0) > since.get(n, 0) for n in ids)
+
+    def counters(self, ids: list[str]) -> dict[str, int]:
+        store = self.client()
+        return {n: store.add(f"{self.prefix}beat/{n}", 0) for n in ids}
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def done(self) -> None:
+        self.client().set(f"{self.prefix}done/{self.me}", "1")
+
+    def close(self, others: list[str]) -> None:
+        """Stop beating; the serving machine first waits (DONE_WAIT_S at most) until every
+        other machine of the last round finished or was lost, so none loses the store while it
+        still reads it."""
+        self._stop.set()
+        if self.server is not None and others:
+            deadline = time.monotonic() + DONE_WAIT_S
+            while time.monotonic() < deadline:
+                try:
+                    left = [n for n in others if not self.client().check([f"{self.prefix}done/{n}"])]
+                    if not left or set(left) <= set(self.stale(left)):
+                        break
+                except Exception:  # nothing left to wait for
+                    break
+                time.sleep(BEAT_S)
+        self._stores = threading.local()
+        self.server = None
+
+
+def node_id() -> str:
+    """This machine's gpufleet process among the run's: host name and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"

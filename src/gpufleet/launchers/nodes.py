@@ -1,0 +1,381 @@
+"""The node launcher: one run over several machines without Ray, as torchrun runs one: every
+machine runs gpufleet with the same options (``--nnodes 2 --rdzv-endpoint HOST:PORT``, or
+inside a Slurm allocation, none), starts its own ranks with torch elastic's agent, and meets
+the others in elastic's c10d rendezvous.
+
+What gpufleet adds to torchrun (docs/design.md, "Nodes without Ray"):
+
+- **One store for the whole run**, served by the gpufleet process of the machine that holds the
+  endpoint's address (``_node_store.py``): the rendezvous of every round, and the machines'
+  beats and words to each other.
+- **Fail together.** A rank's failure, a hang or a lost machine on any machine ends the round
+  on every machine within seconds (a failure: about a second; a lost machine: LOST_AFTER_S),
+  and every machine's error names the root cause: the rank and machine that failed first.
+- **Rounds.** Each attempt of a run is a round with a rendezvous of its own. In an elastic run
+  (``--nnodes MIN:MAX``) a lost machine or one that asks to join ends the round, and the next
+  starts at the new size without counting as a retry; a run that saves with the
+  ``Checkpointer`` resumes resharded, and ``gpufleet.data`` loaders at the global position.
+
+Each machine keeps its own run folder: the logs, results and record of its own ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+
+from gpufleet import _environ
+from gpufleet._log import log
+from gpufleet.errors import ConfigError, RankFailure, RunFailedError, describe, order_failures
+from gpufleet.launchers import _node_store, hardware, local
+from gpufleet.launchers._node_store import Ended, NodeStore
+from gpufleet.launchers.base import Gate, Launcher
+from gpufleet.launchers.hardware import Placement
+from gpufleet.launchers.local import LaunchPlan, LocalJob, LocalLauncher
+from gpufleet.options import RunOptions, spell
+from gpufleet.rundir import Attempt
+from gpufleet.watch.monitor import RunMonitor
+
+DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
+WATCH_EVERY_S = 0.25
+JOIN_GRACE_S = 10.0  # a round that started without this machine: it asks to join after this
+TRACEBACK_CHARS = 4000  # of a root cause's traceback, shared with the other machines
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Where and how the machines of a run meet."""
+
+    min_nodes: int
+    max_nodes: int
+    host: str
+    port: int
+    rdzv_id: str
+    node_rank: int | None = None
+    slurm: bool = False  # read from a Slurm allocation
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def describe(self) -> str:
+        count = f"{self.min_nodes} to {self.max_nodes}" if self.elastic else str(self.max_nodes)
+        source = " (from Slurm)" if self.slurm else ""
+        return f"{count} machines meeting at {self.endpoint}, run {self.rdzv_id!r}{source}"
+
+
+def wanted(options: RunOptions) -> bool:
+    """Whether a run is a node run: ``nnodes`` says so, or a Slurm job step it runs in (not
+    inside a rank, a warm pool or a Ray run; ``nnodes=1`` keeps a run on its machine)."""
+    if options.nnodes is not None:
+        return options.nnodes != (1, 1) or options.rdzv_endpoint is not None
+    return (_environ.slurm_step() and not options.remote and not options.warm
+            and _environ.run_dir() is None)
+
+
+def default_id(options: RunOptions, name: str) -> str:
+    """The rendezvous id when none is given: the Slurm step's, else the run's name (the same
+    on every machine, unlike its run id)."""
+    if options.nnodes is None:
+        from gpufleet.launchers import _slurm
+
+        slurm = _slurm.from_environment(_environ.snapshot())
+        if slurm is not None:
+            return slurm.run_id
+    return _safe(options.name or name)
+
+
+def spec(options: RunOptions) -> NodeSpec:
+    """The run's machines, from its options, else from Slurm's variables; ConfigError naming
+    what is missing."""
+    slurm = None
+    if options.nnodes is None:
+        from gpufleet.launchers import _slurm
+
+        slurm = _slurm.from_environment(_environ.snapshot())
+    if slurm is None and options.nnodes is None:
+        raise ConfigError(f"{spell('nnodes')} is not set and this is not a Slurm job step")
+    low, high = options.nnodes or (slurm.nnodes, slurm.nnodes)  # type: ignore[union-attr]
+    endpoint = options.rdzv_endpoint or (f"{slurm.host}:{slurm.port}" if slurm else None)
+    if endpoint is None:
+        raise ConfigError(
+            f"{spell('nnodes', ':'.join(map(str, {low, high})))} needs {spell('rdzv_endpoint')}: "
+            f"HOST:PORT of one of the machines, the same on every machine, e.g. "
+            f"{spell('rdzv_endpoint', 'node001:29400')}")
+    host, _, port = endpoint.rpartition(":") if endpoint.rpartition(":")[2].isdigit() else (endpoint, "", "")
+    node_rank = options.node_rank if options.node_rank is not None else (slurm.node_rank if slurm else None)
+    if node_rank is not None and node_rank >= high:
+        raise ConfigError(f"{spell('node_rank', node_rank)} but the run has at most {high} machine"
+                          f"{'s' if high > 1 else ''}: node ranks go from 0 to {high - 1}")
+    rdzv_id = options.rdzv_id or (slurm.run_id if slurm else None) or "gpufleet"
+    return NodeSpec(low, high, host.strip("[]"), int(port or DEFAULT_PORT), rdzv_id, node_rank, slurm is not None)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in name) or "run"
+
+
+def place(options: RunOptions) -> Placement:
+    """This machine's share: its GPUs (or CPU processes), as a run here would have; the
+    machines' spec is checked first."""
+    found = spec(options)
+    if found.slurm and options.nnodes is None:
+        log.info(f"in a Slurm job step: {found.describe()}")
+    return hardware.place(options.gpus, options.gpu_type)
+
+
+class NodeLauncher(Launcher[LaunchPlan]):
+    """This machine's part of a node run: its devices and its connection to the run's store
+    for every round, an agent for each."""
+
+    def __init__(self, placement: Placement, options: RunOptions, gate: Gate):
+        self.local = LocalLauncher(placement, options, gate)  # this machine's devices
+        self.options = options
+        self.gate = gate
+        self.spec = spec(options)
+        self.store: NodeStore | None = None
+        self.job: NodeJob | None = None  # the last round's
+
+    def plan(self, attempt: Attempt, env: dict[str, str]) -> LaunchPlan:
+        plan = self.local.plan(attempt, env)
+        mine = {**_environ.snapshot(), **self.options.env}
+        env = {k: v for k, v in plan.env.items() if k != "NODE_RANK"}  # the rendezvous places it
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in mine:  # the interface that reaches the endpoint: set at launch
+                env.pop(name, None)
+        node = {"endpoint": self.spec.endpoint, "min_nodes": self.spec.min_nodes,
+                "max_nodes": self.spec.max_nodes, "node_rank": self.spec.node_rank}
+        return dataclasses.replace(plan, env=env, node=node)
+
+    def launch(self, plan: LaunchPlan) -> "NodeJob":
+        lease = self.local._hold_devices()
+        self.gate.begin(lease.ids)
+        store = self._store()
+        addr, interface = _node_store.route_to(self.spec.host, self.spec.port)
+        env = {**plan.env, **lease.env(), **self.options.env}
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if interface and name not in plan.env:
+                env[name] = interface
+        while True:
+            number = self._round_to_join(store, addr)
+            node = {**(plan.node or {}), "run_id": f"{self.spec.rdzv_id}.r{number}", "addr": addr}
+            agent = local.launch(dataclasses.replace(plan, env=env, node=node))
+            job = NodeJob(agent, plan.folder, plan.nprocs, store, number, self.spec, addr)
+            self.job = job
+            if job.meet(self.gate):
+                log.info(f"node {job.group_rank} of {job.nnodes} ({addr}): ranks "
+                         f"{job.ranks[0]}-{job.ranks[-1]} of {job.world_size}, round {number}")
+                return job
+            job.release()
+            if store.round() == number and store.ended(number) is None:  # the agent failed alone
+                raise job.did_not_meet()
+
+    def _store(self) -> NodeStore:
+        if self.store is None:
+            log.info(f"this machine is one of {self.spec.describe()}")
+            self.store = NodeStore.open(self.spec.host, self.spec.port, self.spec.rdzv_id, _node_store.node_id())
+        return self.store
+
+    def _round_to_join(self, store: NodeStore, addr: str) -> int:
+        """The round this machine joins: the current one, unless it has ended (then the
+        next); an elastic run's round that started without this machine is asked to end."""
+        number = store.round()
+        if store.ended(number) is None and store.started(number) and self.spec.elastic and (
+                self.job is None or self.job.round != number):
+            store.end(number, Ended("joined", -1, addr, f"a machine ({addr}) asks to join",
+                                    by=store.me))
+        if store.ended(number) is not None:
+            number = store.next_round(number)
+        return number
+
+    def resized(self, error: RunFailedError) -> bool:
+        """Whether the attempt ended because the machines changed, in an elastic run: the
+        next round starts at the new size, not counted as a retry."""
+        ended = self.job.ended_by if self.job is not None else None
+        return self.spec.elastic and ended is not None and ended.kind in ("lost", "joined")
+
+    def close(self) -> None:
+        try:
+            if self.store is not None:
+                others = self.job.others() if self.job is not None else []
+                self.store.close(others)
+        finally:
+            self.local.close()
+
+
+class NodeJob(LocalJob):
+    """This machine's agent in one round, watched with the run's store."""
+
+    def __init__(self, agent, attempt, nprocs: int, store: NodeStore, number: int, spec: NodeSpec,
+                 addr: str):
+        super().__init__(agent, attempt, nprocs)
+        self.store, self.round, self.spec, self.addr = store, number, spec, addr
+        self._ranks: list[int] = []
+        self.group_rank, self.nnodes = -1, 0
+        self.members: dict[int, dict] = {}
+        self.ended_by: Ended | None = None
+        self._next_watch = 0.0
+        self._stopping = False
+
+    @property
+    def ranks(self) -> list[int]:
+        return self._ranks
+
+    def describe(self) -> str:
+        return f"the launcher process of node {self.group_rank} (torch elastic agent, pid {self.agent.pid})"
+
+    def where(self) -> str:
+        return f"node {self.group_rank} ({self.addr})"
+
+    # -- meeting -----------------------------------------------------------------------------
+
+    def meet(self, gate: Gate) -> bool:
+        """Wait until the machines of this round have met (True), or the agent ended, or the
+        round ended first (False)."""
+        started = time.monotonic()
+        path = self.attempt.path / "round.json"
+        while not path.exists():
+            if self.agent.poll() is not None:
+                return path.exists()
+            if gate.stopped():
+                self.stop()
+                self.release()
+                raise gate.never_started()
+            ended = self.store.ended(self.round)
+            if ended is not None:
+                self.ended_by = ended
+                self.stop()
+                return False
+            if (self.spec.elastic and time.monotonic() - started > JOIN_GRACE_S
+                    and self.store.started(self.round)):  # it met without this machine
+                self.store.end(self.round, Ended("joined", -1, self.addr,
+                                                 f"a machine ({self.addr}) asks to join", by=self.store.me))
+            time.sleep(0.05)
+        met = json.loads(path.read_text())
+        self.world_size, self._ranks = met["world_size"], met["ranks"]
+        self.group_rank, self.nnodes = met["group_rank"], met["nnodes"]
+        self.monitor = RunMonitor(self.attempt, self._ranks, self.reports.nccl_traces)
+        self.store.joined(self.round, self.group_rank, {"id": self.store.me, "addr": self.addr,
+                                                        "ranks": self._ranks})
+        return True
+
+    def did_not_meet(self) -> RunFailedError:
+        report = self.attempt.agent_report
+        detail = ""
+        try:
+            detail = json.loads(report.read_text()).get("error", "")
+        except (OSError, ValueError):
+            pass
+        last = [line for line in detail.strip().splitlines() if line.strip()][-1:] or ["(no report)"]
+        return RunFailedError(
+            [], run_dir=self.attempt.path, world_size=self.nprocs_here,
+            headline=f"the machines did not meet at {self.spec.endpoint} (run {self.spec.rdzv_id!r}): "
+            f"{last[0]}; the agent's log: {self.attempt.agent_log}")
+
+    @property
+    def nprocs_here(self) -> int:
+        return len(self._ranks) or self.world_size
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def poll(self) -> int | None:
+        code = self.agent.poll()
+        now = time.monotonic()
+        if code is None and not self._stopping and now >= self._next_watch:
+            self._next_watch = now + WATCH_EVERY_S
+            self._watch()
+        return code
+
+    def _watch(self) -> None:
+        """End this machine's ranks when the round ended elsewhere, or a machine went silent."""
+        try:
+            ended = self.store.ended(self.round)
+            if ended is None:
+                self.members = self.members or self.store.members(self.round, self.nnodes)
+                silent = self.store.stale(self.others())
+                if silent:
+                    ended = self.store.end(self.round, self._lost(silent[0]))
+        except Exception as exc:  # the store is gone: its machine or its gpufleet was lost
+            ended = self._store_lost(exc)
+        if ended is not None and ended.by != self.store.me:
+            self.ended_by = ended
+            self._stopping = True
+            log.warning(f"{ended.where()}: {ended.summary}; stopping this machine's ranks")
+            self.stop()
+
+    def others(self) -> list[str]:
+        return [m["id"] for m in self.members.values() if m["id"] != self.store.me]
+
+    def _lost(self, node_id: str) -> Ended:
+        group, info = next((g, m) for g, m in self.members.items() if m["id"] == node_id)
+        return Ended("lost", group, info["addr"], f"lost: no heartbeat from its gpufleet process "
+                     f"for {_node_store.LOST_AFTER_S:g} s (the machine, its network or the process "
+                     "is gone)", rank=info["ranks"][0], by=self.store.me)
+
+    def _store_lost(self, exc: BaseException) -> Ended:
+        return Ended("lost", -1, self.spec.endpoint, f"the run's store at {self.spec.endpoint} "
+                     f"cannot be reached ({type(exc).__name__}): the machine that serves it, or its "
+                     "gpufleet process, is gone", by="")
+
+    # -- the root cause ----------------------------------------------------------------------
+
+    def cause(self, failures: list[RankFailure]) -> RankFailure | None:
+        """The round's root cause when it was not this machine's (then every failure here
+        is its echo); this machine's own first failure is said to the others first."""
+        for failure in failures:
+            failure.host = failure.host or self.where()
+        if self.ended_by is None:
+            self.ended_by = self._say(order_failures(failures)[0] if failures else None)
+        ended = self.ended_by
+        if ended.by == self.store.me and ended.kind == "failed":
+            return None
+        return RankFailure(rank=ended.rank, kind="lost" if ended.kind in ("lost", "joined") else "exception",
+                           summary=f"{'on ' + ended.where() + ': ' if ended.kind == 'failed' else ''}"
+                           f"{ended.summary}", host="" if ended.kind == "failed" else ended.where(),
+                           traceback=ended.traceback)
+
+    def _say(self, root: RankFailure | None) -> Ended:
+        """Tell the others how this machine's round ended, unless another machine's word was
+        first. A machine that went silent meanwhile is the likelier cause (its peers' ranks fail
+        with a connection error before its silence shows): every other machine must beat again
+        first, LOST_AFTER_S at most."""
+        try:
+            self.members = self.members or self.store.members(self.round, self.nnodes)
+            since = self.store.counters(self.others())
+            deadline = time.monotonic() + _node_store.LOST_AFTER_S + 1
+            while time.monotonic() < deadline and self.store.ended(self.round) is None:
+                if self.store.beaten_since(self.others(), since):
+                    break
+                silent = self.store.stale(self.others())
+                if silent:
+                    return self.store.end(self.round, self._lost(silent[0]))
+                time.sleep(_node_store.BEAT_S / 2)
+            summary = describe(root) if root else "ended"
+            mine = Ended("failed", self.group_rank, self.addr, summary,
+                         rank=root.rank if root else -1,
+                         traceback=(root.traceback or "")[-TRACEBACK_CHARS:] if root else "",
+                         by=self.store.me)
+            return self.store.end(self.round, mine)
+        except Exception as exc:
+            return self._store_lost(exc)
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """A round that ended here in a hang, a timeout, a cancel or a SIGTERM ends for every
+        machine; one whose ranks all returned is done."""
+        try:
+            if error is None:
+                self.store.done()
+            elif self.ended_by is None and isinstance(error, RunFailedError):
+                root = error.root_cause
+                self.ended_by = self._say(root if root else RankFailure(
+                    rank=-1, kind="exit", summary=error.headline))
+        except Exception as exc:  # the store is gone: nothing to tell
+            log.debug(f"could not tell the other machines: {exc}")
+        super().__exit__(kind, error, traceback)
+
