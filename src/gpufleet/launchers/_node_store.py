@@ -173,9 +173,9 @@ class NodeStore:
 
     def stale(self, ids: list[str]) -> list[str]:
         """Those of ``ids`` whose counter has not moved for LOST_AFTER_S (the first look at
-        a machine starts its clock)."""
+        a machine starts its clock), but for machines whose ranks all returned."""
         store, now, stale = self.client(), time.monotonic(), []
-        for node in ids:
+        for node in self.running(ids):
             count = store.add(f"{self.prefix}beat/{node}", 0)
             last = self._seen.get(node)
             if last is None or last[0] != count:
@@ -185,8 +185,14 @@ class NodeStore:
         return stale
 
     def beaten_since(self, ids: list[str], since: dict[str, int]) -> bool:
+        """Whether each of ``ids`` still running beat after ``since`` (``counters``)."""
         store = self.client()
-        return all(store.add(f"{self.prefix}beat/{n}", 0) > since.get(n, 0) for n in ids)
+        return all(store.add(f"{self.prefix}beat/{n}", 0) > since.get(n, 0) for n in self.running(ids))
+
+    def running(self, ids: list[str]) -> list[str]:
+        """Those of ``ids`` whose ranks have not all returned (``done``)."""
+        store = self.client()
+        return [n for n in ids if not store.check([f"{self.prefix}done/{n}"])]
 
     def counters(self, ids: list[str]) -> dict[str, int]:
         store = self.client()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 from dataclasses import dataclass
 
@@ -329,16 +330,17 @@ class NodeJob(LocalJob):
         """The round's root cause when it was not this machine's (then every failure here
         is its echo); this machine's own first failure is said to the others first."""
         for failure in failures:
-            failure.host = failure.host or self.where()
+            failure.host = self.where()
         if self.ended_by is None:
             self.ended_by = self._say(order_failures(failures)[0] if failures else None)
         ended = self.ended_by
         if ended.by == self.store.me and ended.kind == "failed":
             return None
+        for failure in failures:
+            if failure.kind == "lost":  # no result: this machine stopped them (SIGTERM)
+                failure.kind, failure.exitcode, failure.summary = "signal", -signal.SIGTERM, "signal SIGTERM"
         return RankFailure(rank=ended.rank, kind="lost" if ended.kind in ("lost", "joined") else "exception",
-                           summary=f"{'on ' + ended.where() + ': ' if ended.kind == 'failed' else ''}"
-                           f"{ended.summary}", host="" if ended.kind == "failed" else ended.where(),
-                           traceback=ended.traceback)
+                           summary=ended.summary, host=ended.where(), traceback=ended.traceback)
 
     def _say(self, root: RankFailure | None) -> Ended:
         """Tell the others how this machine's round ended, unless another machine's word was
@@ -356,7 +358,7 @@ class NodeJob(LocalJob):
                 if silent:
                     return self.store.end(self.round, self._lost(silent[0]))
                 time.sleep(_node_store.BEAT_S / 2)
-            summary = describe(root) if root else "ended"
+            summary = describe(dataclasses.replace(root, host="", pid=None)) if root else "ended"
             mine = Ended("failed", self.group_rank, self.addr, summary,
                          rank=root.rank if root else -1,
                          traceback=(root.traceback or "")[-TRACEBACK_CHARS:] if root else "",

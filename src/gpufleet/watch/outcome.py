@@ -135,6 +135,7 @@ def collect(attempt: RunDir, world_size: int, job: Job | None = None) -> list:
     attempt's, while it is watched (its report's folder, monitor and exit status)."""
     reports = job.reports if job else attempt
     report = _read_report(reports)
+    lost = report.get("state") == LauncherState.LOST and job is not None and job.poll() is not None
     hosts = report.get("hosts", {})  # a cluster launcher names each rank's node
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
@@ -156,7 +157,6 @@ def collect(attempt: RunDir, world_size: int, job: Job | None = None) -> list:
             failure.collateral = True
         failures.insert(0, cause)
     failures, stopped = _split_stopped(failures)
-    lost = report.get("state") == LauncherState.LOST and job is not None and job.poll() is not None
     headline = _lost_launcher(job) if lost and job is not None else None
     error = RunFailedError(
         failures, run_dir=attempt.path, world_size=world_size, stopped=stopped, headline=headline
