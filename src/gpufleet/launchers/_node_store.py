@@ -10,8 +10,9 @@ act as one run:
     r<K>/node/<g>      node g of round K: its id, address and ranks (written once it has met)
     r<K>/ended         why round K ended, first writer wins: a rank's failure, a lost machine,
                        a machine that asks to join; every machine stops its ranks on seeing it
-    done/<node>        the machine's ranks returned; the serving machine waits for every one
-                       before it closes the store
+    r<K>/done/<node>   the machine is through with round K (its ranks returned, or it has read
+                       why the round ended); the serving machine waits for every one before it
+                       closes the store
 
 A machine is lost when its counter stops for LOST_AFTER_S. Counters, not clocks: the machines'
 clocks need not agree.
@@ -171,11 +172,11 @@ class NodeStore:
                 self.gone = exc
                 return
 
-    def stale(self, ids: list[str]) -> list[str]:
+    def stale(self, ids: list[str], number: int) -> list[str]:
         """Those of ``ids`` whose counter has not moved for LOST_AFTER_S (the first look at
-        a machine starts its clock), but for machines whose ranks all returned."""
+        a machine starts its clock), but for machines through with round ``number``."""
         store, now, stale = self.client(), time.monotonic(), []
-        for node in self.running(ids):
+        for node in self.running(ids, number):
             count = store.add(f"{self.prefix}beat/{node}", 0)
             last = self._seen.get(node)
             if last is None or last[0] != count:
@@ -184,15 +185,15 @@ class NodeStore:
                 stale.append(node)
         return stale
 
-    def beaten_since(self, ids: list[str], since: dict[str, int]) -> bool:
-        """Whether each of ``ids`` still running beat after ``since`` (``counters``)."""
+    def beaten_since(self, ids: list[str], since: dict[str, int], number: int) -> bool:
+        """Whether each of ``ids`` still in round ``number`` beat after ``since`` (``counters``)."""
         store = self.client()
-        return all(store.add(f"{self.prefix}beat/{n}", 0) > since.get(n, 0) for n in self.running(ids))
+        return all(store.add(f"{self.prefix}beat/{n}", 0) > since.get(n, 0) for n in self.running(ids, number))
 
-    def running(self, ids: list[str]) -> list[str]:
-        """Those of ``ids`` whose ranks have not all returned (``done``)."""
+    def running(self, ids: list[str], number: int) -> list[str]:
+        """Those of ``ids`` not yet through with round ``number`` (``done``)."""
         store = self.client()
-        return [n for n in ids if not store.check([f"{self.prefix}done/{n}"])]
+        return [n for n in ids if not store.check([f"{self.prefix}r{number}/done/{n}"])]
 
     def counters(self, ids: list[str]) -> dict[str, int]:
         store = self.client()
@@ -200,10 +201,10 @@ class NodeStore:
 
     # -- the end -----------------------------------------------------------------------------
 
-    def done(self) -> None:
-        self.client().set(f"{self.prefix}done/{self.me}", "1")
+    def done(self, number: int) -> None:
+        self.client().set(f"{self.prefix}r{number}/done/{self.me}", "1")
 
-    def close(self, others: list[str]) -> None:
+    def close(self, others: list[str], number: int) -> None:
         """Stop beating; the serving machine first waits (DONE_WAIT_S at most) until every
         other machine of the last round finished or was lost, so none loses the store while it
         still reads it."""
@@ -212,8 +213,8 @@ class NodeStore:
             deadline = time.monotonic() + DONE_WAIT_S
             while time.monotonic() < deadline:
                 try:
-                    left = [n for n in others if not self.client().check([f"{self.prefix}done/{n}"])]
-                    if not left or set(left) <= set(self.stale(left)):
+                    left = self.running(others, number)
+                    if not left or set(left) <= set(self.stale(left, number)):
                         break
                 except Exception:  # nothing left to wait for
                     break

@@ -42,6 +42,7 @@ from gpufleet.watch.monitor import RunMonitor
 DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
 WATCH_EVERY_S = 0.25
 JOIN_GRACE_S = 10.0  # a round that started without this machine: it asks to join after this
+ECHO_WAIT_S = 2.0  # a machine whose ranks only saw a communication error lets the others speak
 TRACEBACK_CHARS = 4000  # of a root cause's traceback, shared with the other machines
 
 
@@ -205,7 +206,7 @@ class NodeLauncher(Launcher[LaunchPlan]):
         try:
             if self.store is not None:
                 others = self.job.others() if self.job is not None else []
-                self.store.close(others)
+                self.store.close(others, self.job.round if self.job is not None else 0)
         finally:
             self.local.close()
 
@@ -299,7 +300,7 @@ class NodeJob(LocalJob):
             ended = self.store.ended(self.round)
             if ended is None:
                 self.members = self.members or self.store.members(self.round, self.nnodes)
-                silent = self.store.stale(self.others())
+                silent = self.store.stale(self.others(), self.round)
                 if silent:
                     ended = self.store.end(self.round, self._lost(silent[0]))
         except Exception as exc:  # the store is gone: its machine or its gpufleet was lost
@@ -346,15 +347,20 @@ class NodeJob(LocalJob):
         """Tell the others how this machine's round ended, unless another machine's word was
         first. A machine that went silent meanwhile is the likelier cause (its peers' ranks fail
         with a connection error before its silence shows): every other machine must beat again
-        first, LOST_AFTER_S at most."""
+        first, LOST_AFTER_S at most. A communication error is likelier the echo of a failure
+        elsewhere, whose machine then speaks first: it waits ECHO_WAIT_S more."""
         try:
             self.members = self.members or self.store.members(self.round, self.nnodes)
             since = self.store.counters(self.others())
             deadline = time.monotonic() + _node_store.LOST_AFTER_S + 1
+            alive_since: float | None = None
             while time.monotonic() < deadline and self.store.ended(self.round) is None:
-                if self.store.beaten_since(self.others(), since):
+                if alive_since is None and self.store.beaten_since(self.others(), since, self.round):
+                    alive_since = time.monotonic()
+                if alive_since is not None and (root is None or not root.collateral
+                                                or time.monotonic() - alive_since > ECHO_WAIT_S):
                     break
-                silent = self.store.stale(self.others())
+                silent = self.store.stale(self.others(), self.round)
                 if silent:
                     return self.store.end(self.round, self._lost(silent[0]))
                 time.sleep(_node_store.BEAT_S / 2)
@@ -371,12 +377,11 @@ class NodeJob(LocalJob):
         """A round that ended here in a hang, a timeout, a cancel or a SIGTERM ends for every
         machine; one whose ranks all returned is done."""
         try:
-            if error is None:
-                self.store.done()
-            elif self.ended_by is None and isinstance(error, RunFailedError):
+            if error is not None and self.ended_by is None and isinstance(error, RunFailedError):
                 root = error.root_cause
                 self.ended_by = self._say(root if root else RankFailure(
                     rank=-1, kind="exit", summary=error.headline))
+            self.store.done(self.round)
         except Exception as exc:  # the store is gone: nothing to tell
             log.debug(f"could not tell the other machines: {exc}")
         super().__exit__(kind, error, traceback)
