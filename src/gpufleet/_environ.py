@@ -67,7 +67,7 @@ def node_rank() -> int:
     return int_var("NODE_RANK", int_var("GROUP_RANK", 0))
 
 
-def slurm_step() -> bool:
+def slurm_job() -> bool:
     """Inside a Slurm job (its variables say where the machines meet: ``launchers/_slurm.py``)."""
     return "SLURM_JOB_ID" in os.environ
 

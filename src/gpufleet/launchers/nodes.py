@@ -77,8 +77,11 @@ def wanted(options: RunOptions) -> bool:
     inside a rank, a warm pool or a Ray run; ``nnodes=1`` keeps a run on its machine)."""
     if options.nnodes is not None:
         return options.nnodes != (1, 1) or options.rdzv_endpoint is not None
-    return (_environ.slurm_step() and not options.remote and not options.warm
-            and _environ.run_dir() is None)
+    if options.remote or options.warm or _environ.run_dir() is not None or not _environ.slurm_job():
+        return False
+    from gpufleet.launchers import _slurm
+
+    return _slurm.from_environment(_environ.snapshot()) is not None
 
 
 def default_id(options: RunOptions, name: str) -> str:
@@ -299,7 +302,7 @@ class NodeJob(LocalJob):
         try:
             ended = self.store.ended(self.round)
             if ended is None:
-                self.members = self.members or self.store.members(self.round, self.nnodes)
+                self._know_members()
                 silent = self.store.stale(self.others(), self.round)
                 if silent:
                     ended = self.store.end(self.round, self._lost(silent[0]))
@@ -310,6 +313,11 @@ class NodeJob(LocalJob):
             self._stopping = True
             log.warning(f"{ended.where()}: {ended.summary}; stopping this machine's ranks")
             self.stop()
+
+    def _know_members(self) -> None:
+        """The round's machines, as they say they met (read until every one has)."""
+        if len(self.members) < self.nnodes:
+            self.members = self.store.members(self.round, self.nnodes)
 
     def others(self) -> list[str]:
         return [m["id"] for m in self.members.values() if m["id"] != self.store.me]
@@ -350,7 +358,7 @@ class NodeJob(LocalJob):
         first, LOST_AFTER_S at most. A communication error is likelier the echo of a failure
         elsewhere, whose machine then speaks first: it waits ECHO_WAIT_S more."""
         try:
-            self.members = self.members or self.store.members(self.round, self.nnodes)
+            self._know_members()
             since = self.store.counters(self.others())
             deadline = time.monotonic() + _node_store.LOST_AFTER_S + 1
             alive_since: float | None = None
