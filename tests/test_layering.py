@@ -6,8 +6,8 @@
   ``hardware``, ``devices``, ...).
 - The rank's side: ``gpufleet.rank``, ``gpufleet.runtime``, ``gpufleet.data``,
   ``gpufleet.strategies``, ``gpufleet.checkpoint``, and the launcher parts that run in processes
-  of their own (``launchers._elastic_agent``, ``_template``, ``_template_server`` and its
-  ``_template_wire``, ``_ray_node``).
+  of their own (``launchers._elastic_agent`` and its ``_rendezvous``, ``_template``,
+  ``_template_server`` and its ``_template_wire``, ``_ray_node``).
 - Shared by both: ``errors``, ``options``, ``payload``, ``rundir``, ``timings``, ``tracking``,
   ``telemetry`` and the private helpers at the top (``gpufleet._environ``, ...).
 
@@ -42,7 +42,7 @@ RANK_SIDE = ("gpufleet.rank", "gpufleet.runtime", "gpufleet.data", "gpufleet.str
 # Launcher parts that run in processes of their own, beside the ranks rather than the caller.
 PROCESS_SIDE_LAUNCHER_PARTS = ("gpufleet.launchers._elastic_agent", "gpufleet.launchers._template",
                                "gpufleet.launchers._ray_node", "gpufleet.launchers._template_server",
-                               "gpufleet.launchers._template_wire")
+                               "gpufleet.launchers._template_wire", "gpufleet.launchers._rendezvous")
 # Every other module under gpufleet.launchers (the registry included) is caller side.
 CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.flags", "gpufleet.__main__", "gpufleet.runs",
                "gpufleet.watch", "gpufleet.launchers")

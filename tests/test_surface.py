@@ -22,7 +22,8 @@ def test_decorator_options():
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
                               "show_timings", "step_telemetry", "straggler_threshold",
                               "collapse_lines", "tracking", "warm", "ray_address", "placement",
-                              "placement_timeout", "pip", "runtime_env", "name", "detach"]
+                              "placement_timeout", "pip", "runtime_env", "name", "detach",
+                              "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id"]
 
 
 def test_run_handle_and_command_line():

@@ -80,6 +80,9 @@ class DistributedFunction(Generic[R]):
         pip: bool | Sequence[str] | Unchanged = KEEP,
         runtime_env: Mapping[str, Any] | None | Unchanged = KEEP,
         name: str | None | Unchanged = KEEP, detach: bool | Unchanged = KEEP,
+        nnodes: int | str | tuple[int, int] | None | Unchanged = KEEP,
+        node_rank: int | None | Unchanged = KEEP, rdzv_endpoint: str | None | Unchanged = KEEP,
+        rdzv_id: str | None | Unchanged = KEEP,
         **unknown: NoReturn,
     ) -> "DistributedFunction[R]":
         """The same function with some options changed: ``train.options(gpus=1).distributed()``.
@@ -169,6 +172,8 @@ def distributed(
     placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
     pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
     name: str | None = None, detach: bool = False,
+    nnodes: int | str | tuple[int, int] | None = None, node_rank: int | None = None,
+    rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -183,7 +188,9 @@ def distributed(
     collapse_lines: bool = True, tracking: bool | None = None, warm: bool = False, ray_address: str | None = None,
     placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
     pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
-    name: str | None = None, detach: bool = False, **unknown: NoReturn,
+    name: str | None = None, detach: bool = False,
+    nnodes: int | str | tuple[int, int] | None = None, node_rank: int | None = None,
+    rdzv_endpoint: str | None = None, rdzv_id: str | None = None, **unknown: NoReturn,
 ) -> DistributedFunction[R] | Callable[[Callable[..., R]], DistributedFunction[R]]:
     given = {k: v for k, v in locals().items() if k not in ("fn", "unknown")}
     run_options = RunOptions.create(**given, **unknown)  # unknown: a ConfigError naming them
