@@ -50,6 +50,8 @@ for step in range(1, steps + 1):
     print(f"step {step} sum {t.item():g}", flush=True)
     if os.environ.get("FAIL_RANK") == str(rank) and step == int(os.environ.get("FAIL_STEP", "1")):
         raise ValueError(f"bad batch at step {step}")
+    if os.environ.get("HANG_RANK") == str(rank) and step == 5:
+        time.sleep(3600)
     time.sleep(float(os.environ.get("PAUSE", "0")))
 """
 
@@ -137,10 +139,10 @@ def nodes(network, tmp_path):
     (tmp_path / "elastic.py").write_text(textwrap.dedent(ELASTIC))
 
     def start(host: Host, node_rank: int, script: str = "train.py", *args, nnodes: str = "2",
-              **env: str) -> Node:
+              hang: str = "60", **env: str) -> Node:
         out = tmp_path / f"{host.name}-{len(started)}.out"
         argv = [GPUFLEET, "run", "--nnodes", nnodes, "--node-rank", str(node_rank), "--rdzv-endpoint",
-                f"{network.hosts[0].ip}:{port}", "--nproc-per-node", "2", "--hang-timeout", "60",
+                f"{network.hosts[0].ip}:{port}", "--nproc-per-node", "2", "--hang-timeout", hang,
                 "--no-tracking", script, *map(str, args)]
         with open(out, "wb") as stdout:
             popen = network.popen(host, argv, env=network.env(host, **env), cwd=tmp_path,
@@ -265,3 +267,15 @@ def test_an_elastic_run_goes_from_two_machines_to_one_and_back_and_ends_as_an_un
     resized, steady = torch.load(out), torch.load(tmp_path / "alone.pt")
     for name in steady:
         torch.testing.assert_close(resized[name], steady[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_hang_names_the_culprit_rank_and_its_machine_on_every_machine(network, nodes):
+    h1, h2 = network.hosts
+    # rank 3 stops in its own code at step 5 while ranks 0-2 wait for it in all_reduce
+    first = nodes(h1, 0, STEPS="100", PAUSE="0.05", HANG_RANK="3", hang="10s")
+    second = nodes(h2, 1, STEPS="100", PAUSE="0.05", HANG_RANK="3", hang="10s")
+    assert first.wait() == 1 and second.wait() == 1
+    for node in (first, second):
+        root = node.text().split("root cause: ", 1)[1].splitlines()[0]
+        assert root.startswith("rank 3: hang: not in a collective: at train.py:"), node.text()
+        assert f"(node 1 ({h2.ip}))" in root, node.text()

@@ -76,7 +76,7 @@ class RankFailure:
             return f"signal {-self.exitcode}"
 
     def group_key(self) -> tuple:
-        return (self.kind, self.summary)
+        return (self.kind, self.summary, self.host)
 
 
 class RunFailedError(GpufleetError, RuntimeError):

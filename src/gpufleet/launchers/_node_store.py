@@ -10,6 +10,8 @@ act as one run:
     r<K>/node/<g>      node g of round K: its id, address and ranks (written once it has met)
     r<K>/ended         why round K ended, first writer wins: a rank's failure, a lost machine,
                        a machine that asks to join; every machine stops its ranks on seeing it
+    r<K>/hang          the machine that saw a hang first asks every machine for its stacks...
+    r<K>/stacks/<g>    ...which each writes: the culprit is named among all the run's ranks
     r<K>/done/<node>   the machine is through with round K (its ranks returned, or it has read
                        why the round ended); the serving machine waits for every one before it
                        closes the store
@@ -48,8 +50,11 @@ class Ended:
     rank: int = -1
     traceback: str = ""
     by: str = ""  # the id of the machine that wrote it
+    host: str = ""  # where the rank is, when not on the machine that wrote it (a hang's culprit)
 
     def where(self) -> str:
+        if self.host:
+            return self.host
         return f"node {self.node} ({self.addr})" if self.node >= 0 else self.addr
 
     @classmethod
@@ -161,6 +166,26 @@ class NodeStore:
         key = f"{self.prefix}r{number}/ended"
         store = self.client()
         return Ended.read(store.get(key)) if store.check([key]) else None
+
+    # -- hangs -------------------------------------------------------------------------------
+
+    def ask_for_stacks(self, number: int) -> str:
+        """Ask every machine of round ``number`` for its ranks' stacks; the id of the machine
+        that asked first (the one whose diagnosis counts)."""
+        return self.client().compare_set(f"{self.prefix}r{number}/hang", "", self.me).decode()
+
+    def stacks_asked(self, number: int) -> str | None:
+        key = f"{self.prefix}r{number}/hang"
+        store = self.client()
+        return store.get(key).decode() if store.check([key]) else None
+
+    def give_stacks(self, number: int, node: int, states: dict) -> None:
+        self.client().set(f"{self.prefix}r{number}/stacks/{node}", json.dumps(states))
+
+    def stacks(self, number: int, node: int) -> dict | None:
+        key = f"{self.prefix}r{number}/stacks/{node}"
+        store = self.client()
+        return json.loads(store.get(key)) if store.check([key]) else None
 
     # -- liveness ----------------------------------------------------------------------------
 

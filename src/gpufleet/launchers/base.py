@@ -23,6 +23,7 @@ from gpufleet.rundir import Attempt, RunDir
 
 if TYPE_CHECKING:
     from gpufleet.launchers.devices import Ticket
+    from gpufleet.watch.diagnosis import RankState
     from gpufleet.watch.monitor import RunMonitor
 
 
@@ -111,6 +112,13 @@ class Job(abc.ABC):
         machine of a node run, a machine that was lost), given the failures of its own ranks;
         None when those are the whole story."""
         return None
+
+    def every_rank(self, states: dict[int, RankState | None]) -> tuple[dict[int, RankState | None],
+                                                                      dict[int, str]]:
+        """After a hang, the stacks of every rank of the run, given this job's own
+        (``states``), and the machine of each rank where it is not this one (a node run asks
+        the other machines for theirs)."""
+        return states, {}
 
     def __enter__(self) -> "Job":
         return self

@@ -42,6 +42,7 @@ from gpufleet.watch.monitor import RunMonitor
 DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
 WATCH_EVERY_S = 0.25
 JOIN_GRACE_S = 10.0  # a round that started without this machine: it asks to join after this
+HANG_ANSWER_S = 20.0  # for the other machines' stacks after a hang (each takes a few seconds)
 ECHO_WAIT_S = 2.0  # a machine whose ranks only saw a communication error lets the others speak
 TRACEBACK_CHARS = 4000  # of a root cause's traceback, shared with the other machines
 
@@ -227,6 +228,7 @@ class NodeJob(LocalJob):
         self.ended_by: Ended | None = None
         self._next_watch = 0.0
         self._stopping = False
+        self._answered = False  # this machine gave its stacks for a hang
 
     @property
     def ranks(self) -> list[int]:
@@ -298,8 +300,10 @@ class NodeJob(LocalJob):
         return code
 
     def _watch(self) -> None:
-        """End this machine's ranks when the round ended elsewhere, or a machine went silent."""
+        """End this machine's ranks when the round ended elsewhere, or a machine went silent;
+        give this machine's stacks when another machine saw a hang."""
         try:
+            self._answer_stacks()
             ended = self.store.ended(self.round)
             if ended is None:
                 self._know_members()
@@ -318,6 +322,44 @@ class NodeJob(LocalJob):
         """The round's machines, as they say they met (read until every one has)."""
         if len(self.members) < self.nnodes:
             self.members = self.store.members(self.round, self.nnodes)
+
+    # -- hangs -------------------------------------------------------------------------------
+
+    def every_rank(self, states: dict) -> tuple[dict, dict[int, str]]:
+        """This machine's stacks and the others', which it asks for: the culprit among all the
+        run's ranks (every machine that sees the hang reads the same stacks, and the first one
+        to see it says the root cause)."""
+        hosts = dict.fromkeys(self.ranks, self.where())
+        try:
+            self._know_members()
+            self.store.ask_for_stacks(self.round)
+            self._give_stacks(states)
+            wanted = {g: m for g, m in self.members.items() if m["id"] in self.store.running(self.others(), self.round)}
+            deadline = time.monotonic() + HANG_ANSWER_S
+            while wanted and time.monotonic() < deadline:
+                for g in list(wanted):
+                    given = self.store.stacks(self.round, g)
+                    if given is not None:
+                        states.update(_states_from(given))
+                        hosts.update(dict.fromkeys(map(int, given), f"node {g} ({wanted.pop(g)['addr']})"))
+                time.sleep(0.2)
+        except Exception as exc:  # the store is gone: this machine's stacks still speak
+            log.warning(f"the other machines' stacks could not be read: {exc}")
+        return states, hosts
+
+    def _answer_stacks(self) -> None:
+        asker = self.store.stacks_asked(self.round)
+        if asker is None or asker == self.store.me or self._answered:
+            return
+        self._answered = True
+        finished = {r for r in self.ranks if self.attempt.result(r).exists()}
+        self._give_stacks(self.monitor.collect_stacks(skip=finished))
+
+    def _give_stacks(self, states: dict) -> None:
+        self._answered = True
+        self.store.give_stacks(self.round, self.group_rank, {
+            str(rank): _state_to(state) for rank, state in states.items()
+            if not self.attempt.result(rank).exists()})  # a rank that returned is no culprit
 
     def others(self) -> list[str]:
         return [m["id"] for m in self.members.values() if m["id"] != self.store.me]
@@ -356,30 +398,39 @@ class NodeJob(LocalJob):
         first. A machine that went silent meanwhile is the likelier cause (its peers' ranks fail
         with a connection error before its silence shows): every other machine must beat again
         first, LOST_AFTER_S at most. A communication error is likelier the echo of a failure
-        elsewhere, whose machine then speaks first: it waits ECHO_WAIT_S more."""
+        elsewhere, whose machine then speaks first: it waits ECHO_WAIT_S more. A hang that
+        another machine diagnoses is that machine's to say (HANG_ANSWER_S more)."""
         try:
             self._know_members()
             since = self.store.counters(self.others())
             deadline = time.monotonic() + _node_store.LOST_AFTER_S + 1
+            if self.store.stacks_asked(self.round) not in (None, self.store.me):
+                deadline += HANG_ANSWER_S
+                root = root if root is None else dataclasses.replace(root, collateral=True)
             alive_since: float | None = None
             while time.monotonic() < deadline and self.store.ended(self.round) is None:
                 if alive_since is None and self.store.beaten_since(self.others(), since, self.round):
                     alive_since = time.monotonic()
-                if alive_since is not None and (root is None or not root.collateral
-                                                or time.monotonic() - alive_since > ECHO_WAIT_S):
+                waited = time.monotonic() - (alive_since or 0)
+                if alive_since is not None and (root is None or not root.collateral or waited > ECHO_WAIT_S):
                     break
                 silent = self.store.stale(self.others(), self.round)
                 if silent:
                     return self.store.end(self.round, self._lost(silent[0]))
                 time.sleep(_node_store.BEAT_S / 2)
-            summary = describe(dataclasses.replace(root, host="", pid=None)) if root else "ended"
-            mine = Ended("failed", self.group_rank, self.addr, summary,
-                         rank=root.rank if root else -1,
-                         traceback=(root.traceback or "")[-TRACEBACK_CHARS:] if root else "",
-                         by=self.store.me)
-            return self.store.end(self.round, mine)
+            return self.store.end(self.round, self._word(root))
         except Exception as exc:
             return self._store_lost(exc)
+
+    def _word(self, root: RankFailure | None) -> Ended:
+        """This machine's root cause as the others read it (its rank may be another
+        machine's, after a hang diagnosed across machines)."""
+        if root is None:
+            return Ended("failed", self.group_rank, self.addr, "ended", by=self.store.me)
+        summary = describe(dataclasses.replace(root, host="", pid=None))
+        return Ended("failed", self.group_rank, self.addr, summary, rank=root.rank,
+                     traceback=(root.traceback or "")[-TRACEBACK_CHARS:], by=self.store.me,
+                     host=root.host if root.rank not in self.ranks else "")
 
     def __exit__(self, kind, error, traceback) -> None:
         """A round that ended here in a hang, a timeout, a cancel or a SIGTERM ends for every
@@ -394,3 +445,26 @@ class NodeJob(LocalJob):
             log.debug(f"could not tell the other machines: {exc}")
         super().__exit__(kind, error, traceback)
 
+
+
+def _state_to(state) -> dict | None:
+    """A rank's stacks as the other machines read them (``diagnosis.RankState``)."""
+    if state is None:
+        return None
+    caller = state.unfinished_caller
+    return {"frames": [[f.file, f.line, f.func] for f in state.frames], "text": state.text[-TRACEBACK_CHARS:],
+            "unfinished": state.unfinished, "caller": [caller.file, caller.line, caller.func] if caller else None}
+
+
+def _states_from(given: dict) -> dict:
+    from gpufleet.watch.diagnosis import Frame, RankState
+
+    states: dict[int, RankState | None] = {}
+    for rank, state in given.items():
+        if state is None:
+            states[int(rank)] = None
+            continue
+        caller = Frame(*state["caller"]) if state["caller"] else None
+        states[int(rank)] = RankState(rank=int(rank), frames=tuple(Frame(*f) for f in state["frames"]),
+                                      text=state["text"], unfinished=state["unfinished"], unfinished_caller=caller)
+    return states

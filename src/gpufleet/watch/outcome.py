@@ -33,10 +33,11 @@ from gpufleet.watch.monitor import RunMonitor
 def hung(job: Job, options: RunOptions) -> RunHangError:
     """Every rank's stacks, read for who waits in a collective and who does not."""
     finished = {r for r in job.ranks if job.attempt.result(r).exists()}
-    states = job.monitor.collect_stacks(skip=finished)
-    found, failures = diagnosis.analyse(states, job.ranks, job.attempt.path / "stacks", finished)
+    states, elsewhere = job.every_rank(job.monitor.collect_stacks(skip=finished))
+    found, failures = diagnosis.analyse(states, sorted(states), job.attempt.path / "stacks", finished)
     for failure in failures:
-        if not failure.collateral:
+        failure.host = elsewhere.get(failure.rank, failure.host)
+        if not failure.collateral and failure.rank in job.ranks:
             failure.log_tail = tail_lines(job.attempt.log(failure.rank), count=5)
     folder = job.reports.nccl_traces.parent
     nccl = f" NCCL flight recorder dumps (asked for; written within seconds): {folder}." if any(
