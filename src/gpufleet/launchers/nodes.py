@@ -175,8 +175,9 @@ class NodeLauncher(Launcher[LaunchPlan]):
             job = NodeJob(agent, plan.folder, plan.nprocs, store, number, self.spec, addr)
             self.job = job
             if job.meet(self.gate):
-                log.info(f"node {job.group_rank} of {job.nnodes} ({addr}): ranks "
-                         f"{job.ranks[0]}-{job.ranks[-1]} of {job.world_size}, round {number}")
+                here = f"{job.ranks[0]}-{job.ranks[-1]}" if len(job.ranks) > 1 else str(job.ranks[0])
+                log.info(f"node {job.group_rank} of {job.nnodes} ({addr}): rank{'s' * (len(job.ranks) > 1)} "
+                         f"{here} of {job.world_size}, round {number}")
                 return job
             job.release()
             if store.round() == number and store.ended(number) is None:  # the agent failed alone
