@@ -74,15 +74,17 @@ class NodeSpec:
 
 
 def wanted(options: RunOptions) -> bool:
-    """Whether a run is a node run: ``nnodes`` says so, or a Slurm job step it runs in (not
-    inside a rank, a warm pool or a Ray run; ``nnodes=1`` keeps a run on its machine)."""
+    """Whether a run is a node run: ``nnodes`` says so, or a Slurm job step over several
+    machines that it runs in (not inside a rank, a warm pool or a Ray run; ``nnodes=1`` keeps
+    a run on its machine)."""
     if options.nnodes is not None:
         return options.nnodes != (1, 1) or options.rdzv_endpoint is not None
     if options.remote or options.warm or _environ.run_dir() is not None or not _environ.slurm_job():
         return False
     from gpufleet.launchers import _slurm
 
-    return _slurm.from_environment(_environ.snapshot()) is not None
+    slurm = _slurm.from_environment(_environ.snapshot())
+    return slurm is not None and slurm.nnodes > 1  # a step on one machine: a run here
 
 
 def default_id(options: RunOptions, name: str) -> str:
