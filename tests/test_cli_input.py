@@ -68,6 +68,8 @@ def nothing_started(proc: subprocess.CompletedProcess, *folders: Path) -> None:
 @pytest.mark.parametrize("body, field, says", [
     ("gpus: 0", "gpus", "at least 1"),
     ("gpus: two", "gpus", "whole number"),
+    ('gpus: "3:2"\nremote: true', "gpus", "no more than MAX"),
+    ('gpus: "1:2"', "gpus", "only a Ray cluster"),
     ("timeout: -5", "timeout", "more than 0"),
     ("max_retries: -1", "max_retries", "≥ 0"),
     ("hang_timeout: .nan", "hang_timeout", "more than 0"),
@@ -76,7 +78,8 @@ def nothing_started(proc: subprocess.CompletedProcess, *folders: Path) -> None:
     (f"env: {{API_TOKEN: {SECRET}, EMPTY: null}}", "EMPTY", "null"),
     (f"env: [API_TOKEN={SECRET}]", "env", "mapping"),
     (f"env: {{API_TOKEN: {SECRET}, 'A=B': x}}", "A=B", "not a valid environment variable name"),
-], ids=["gpus-0", "gpus-word", "timeout-negative", "retries-negative", "hang-nan", "env-bool",
+], ids=["gpus-0", "gpus-word", "gpus-elastic-reversed", "gpus-elastic-without-remote",
+        "timeout-negative", "retries-negative", "hang-nan", "env-bool",
         "env-list", "env-null", "env-not-a-mapping", "env-bad-name"])
 def test_a_bad_workload_value_names_the_file_and_field_never_an_env_value(body, field, says,
                                                                           tmp_path):

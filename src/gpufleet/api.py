@@ -66,7 +66,7 @@ class DistributedFunction(Generic[R]):
 
     def options(
         self, *,
-        gpus: int | None | Unchanged = KEEP, gpu_type: str | None | Unchanged = KEEP,
+        gpus: int | tuple[int, int] | None | Unchanged = KEEP, gpu_type: str | None | Unchanged = KEEP,
         remote: bool | str | Unchanged = KEEP, timeout: float | None | Unchanged = KEEP,
         logs: str | Sequence[int] | Unchanged = KEEP, env: Mapping[str, str] | Unchanged = KEEP,
         runs_dir: str | os.PathLike[str] | None | Unchanged = KEEP,
@@ -162,7 +162,7 @@ def distributed(fn: Callable[..., R], /) -> DistributedFunction[R]: ...
 @overload
 def distributed(
     fn: None = None, /, *,
-    gpus: int | None = None, gpu_type: str | None = None, remote: bool | str = False,
+    gpus: int | tuple[int, int] | None = None, gpu_type: str | None = None, remote: bool | str = False,
     timeout: float | None = DEFAULT_TIMEOUT, logs: str | Sequence[int] = "all",
     env: Mapping[str, str] = NO_ENV, runs_dir: str | os.PathLike[str] | None = None,
     max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
@@ -179,7 +179,7 @@ def distributed(
 
 def distributed(
     fn: Callable[..., R] | None = None, /, *,
-    gpus: int | None = None, gpu_type: str | None = None, remote: bool | str = False,
+    gpus: int | tuple[int, int] | None = None, gpu_type: str | None = None, remote: bool | str = False,
     timeout: float | None = DEFAULT_TIMEOUT, logs: str | Sequence[int] = "all",
     env: Mapping[str, str] = NO_ENV, runs_dir: str | os.PathLike[str] | None = None,
     max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,

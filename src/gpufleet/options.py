@@ -133,7 +133,7 @@ def _as_yaml(value: Any) -> str:
 class RunOptions:
     """Every option of ``@distributed``; see its docstring for their meaning."""
 
-    gpus: int | None = None
+    gpus: int | tuple[int, int] | None = None  # (min, max): an elastic remote run
     gpu_type: str | None = None
     remote: str | bool = False  # False, or the engine's name: "ray"
     timeout: float | None = DEFAULT_TIMEOUT
@@ -264,6 +264,7 @@ class Option:
 _DURATION = {"type": ["number", "string"], "pattern": r"^\s*[0-9.]+\s*[smhd]?\s*$"}
 _NULLABLE_DURATION = {"anyOf": [_DURATION, {"type": "null"}, {"enum": ["none", "off"]}]}
 _STRING = {"type": "string", "minLength": 1}
+_ELASTIC_PATTERN = r"^\s*[0-9]+\s*:\s*[0-9]+\s*$"  # gpus: "2:4"
 
 
 def _options(*options: Option) -> dict[str, Option]:
@@ -272,8 +273,12 @@ def _options(*options: Option) -> dict[str, Option]:
 
 OPTIONS = _options(
     Option("gpus", "processes, one per GPU (default: every visible GPU, 2 CPU processes where "
-           "there is none; with remote: GPUs across the cluster)", "count",
-           {"type": ["integer", "null"], "minimum": 1}, aliases=("--nproc-per-node",), metavar="N"),
+           "there is none; with remote: GPUs across the cluster, or MIN:MAX for an elastic run "
+           "that starts with the GPUs free, between MIN and MAX, and restarts at the new size "
+           "when a node is lost or more GPUs are free)", "count",
+           {"anyOf": [{"type": ["integer", "null"], "minimum": 1},
+                      {"type": "string", "pattern": _ELASTIC_PATTERN}]},
+           aliases=("--nproc-per-node",), metavar="N|MIN:MAX"),
     Option("gpu_type", "check the GPU model before starting, e.g. H100", "text", _STRING,
            metavar="MODEL"),
     Option("remote", "run on a Ray cluster (ray_address, else RAY_ADDRESS); ranks are ordered by "
@@ -487,6 +492,14 @@ def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
             f"Ray cluster ({spell('remote', True)}): pass {spell('warm', False)}, or "
             f"{spell('remote', False)}"
         )
+    if isinstance(run.gpus, tuple) and not run.remote:
+        low, high = run.gpus
+        raise ConfigError(
+            f"{spell('gpus', _elastic_shown(run.gpus))} is an elastic size, which only a Ray cluster "
+            f"gives (ranks restart at the new size as nodes come and go): add {spell('remote', True)}; "
+            f"on one machine give a number, e.g. {spell('gpus', high)}; across machines without Ray, "
+            f"run gpufleet on each with {spell('nnodes', _elastic_shown(run.gpus, f'{low}:{high}'))} instead"
+        )
     if run.nnodes is not None and (run.remote or run.warm):
         other = spell("remote", True) if run.remote else spell("warm", True)
         raise ConfigError(
@@ -496,8 +509,11 @@ def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
 
 
 def _check_gpus(gpus):
+    """N, or an elastic size: (MIN, MAX) or "MIN:MAX" (as (min, max); MIN == MAX is N)."""
     if gpus is None:
         return None
+    if isinstance(gpus, (tuple, list, str)):
+        return _check_elastic_gpus(gpus)
     if isinstance(gpus, bool) or not isinstance(gpus, int):
         raise ConfigError(f"{spell('gpus', gpus)} must be a positive whole number (or "
                           f"{spell('gpus', None)} for every GPU)")
@@ -507,6 +523,36 @@ def _check_gpus(gpus):
             f"GPU (use {spell('gpus', None)} for every visible GPU)"
         )
     return gpus
+
+
+def _check_elastic_gpus(gpus):
+    pair = gpus
+    if isinstance(gpus, str):
+        if not re.fullmatch(_ELASTIC_PATTERN, gpus):
+            raise ConfigError(f"{spell('gpus', gpus)} must be a positive whole number (or "
+                              f"{spell('gpus', None)} for every GPU), or MIN:MAX for an elastic "
+                              "run on a Ray cluster, e.g. 2:8")
+        low, _, high = gpus.partition(":")
+        pair = (int(low), int(high))
+    if not (len(pair) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in pair)):
+        raise ConfigError(f"{spell('gpus', gpus)} must be a number of GPUs, or (MIN, MAX) for an "
+                          f"elastic run on a Ray cluster, e.g. {spell('gpus', _elastic_shown((2, 8)))}")
+    low, high = pair
+    if not 1 <= low <= high:
+        raise ConfigError(
+            f"{spell('gpus', gpus)} must have MIN at least 1 and no more than MAX: the run starts "
+            f"with the GPUs free, at least MIN and at most MAX, e.g. {spell('gpus', _elastic_shown((2, 8)))}"
+        )
+    return low if low == high else (low, high)
+
+
+def _elastic_shown(pair: tuple[int, int], python: Any = None) -> Any:
+    """An elastic size as the surface in use writes it: (2, 8) in Python (or ``python``),
+    2:8 on the command line, "2:8" in a file (unquoted, YAML reads 2:8 as 128)."""
+    surface = _surface.get()[0]
+    if surface is Surface.PYTHON:
+        return tuple(pair) if python is None else python
+    return f"{pair[0]}:{pair[1]}" if surface is Surface.CLI else f'"{pair[0]}:{pair[1]}"'
 
 
 def _check_nnodes(nnodes):

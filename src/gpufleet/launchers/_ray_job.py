@@ -2,11 +2,13 @@
 mirrors it.
 
 ``RayJob``'s ``release`` ends its actors and placement group in place of killing local
-process groups: its processes are on other machines, and their pids mean nothing here. A pump thread polls every rank's actor
-(``_ray_node.RankNode``) and mirrors what the rank wrote into the caller's run folder: log
-bytes, stacks, heartbeats, timings, the result, then the exit status. So the supervisor's log
-following, timeouts, hang detection and result collection work unchanged. The pump is also the
-remote run's fail-fast: the first rank that fails or is lost stops the others.
+process groups: its processes are on other machines, and their pids mean nothing here. A
+pump thread polls every rank's actor (``_ray_node.RankNode``) and mirrors what the rank wrote
+into the caller's run folder: log bytes, stacks, heartbeats, timings, the result, then the
+exit status. So the supervisor's log following, timeouts, hang detection and result
+collection work unchanged. The pump is also the remote run's fail-fast: the first rank that
+fails or is lost stops the others. In an elastic run it also watches for room to grow
+(``Growth``), and says when the cluster ended the attempt (``changed``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import subprocess
 import threading
 import time
 import traceback
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +39,18 @@ UNAVAILABLE_LOST_S = 3.0  # an actor Ray cannot reach this long is lost with its
 SILENT_LOST_S = 15.0  # an actor that does not answer a poll this long is lost too
 RELEASE_WAIT_S = 5.0
 CLOSE_MARGIN_S = 2.0  # beyond a node's own wait for its rank to exit (_ray_node.CLOSE_WAIT_S)
+GROW_CHECK_S = 2.0  # an elastic job below its maximum asks Ray for room this often
+GROW_STABLE_S = 5.0  # room that lasts this long (no one else took it) makes the job grow
+
+
+@dataclass(frozen=True)
+class Growth:
+    """What an elastic job below its largest size needs to see room for more ranks."""
+
+    most: int  # its largest size
+    grace: float  # grace_period: for the ranks to stop by themselves before SIGTERM
+    spelled: str  # its sizes, in words, for messages
+    room: Callable[[dict[str, int]], int]  # ranks the cluster could hold now, given the job's own by node
 
 
 @dataclass
@@ -87,6 +103,13 @@ class RayJob(Job):
         self._hosts: dict[str, str] = {}
         self._release_lock = threading.Lock()
         self._released = False
+        self.growth: Growth | None = None
+        self.changed: str | None = None  # the cluster ended the attempt: why (a lost rank, room to grow)
+        self.lost_on: set[str] = set()  # nodes where Ray lost ranks of this job
+        self._growing_since: float | None = None  # asked the ranks to stop, to start again larger
+        self._grown_at = 0.0
+        self._room_since: float | None = None
+        self._next_room_check = 0.0
         self._pump_thread = threading.Thread(target=self._pump, name="gpufleet-ray-pump", daemon=True)
 
     # -- what the watcher drives ------------------------------------------------------------
@@ -109,8 +132,8 @@ class RayJob(Job):
 
     # -- start and release ------------------------------------------------------------------
 
-    def start(self, ranks: list[RankActor]) -> "RayJob":
-        self.rank_actors = ranks
+    def start(self, ranks: list[RankActor], growth: Growth | None = None) -> "RayJob":
+        self.rank_actors, self.growth = ranks, growth
         self.world_size = len(ranks)
         self.monitor = RemoteMonitor(self.run, len(ranks), self)
         self._hosts = {str(r.rank): r.where for r in ranks}
@@ -121,32 +144,48 @@ class RayJob(Job):
     def release(self) -> None:
         """Kill every rank and actor of the job and remove its placement group; idempotent,
         bounded in time, and safe from any thread."""
+        with self._release_lock:  # a second release (a second Ctrl-C) waits for the first
+            self._release()
+
+    def _release_when_ended(self) -> None:
+        """The pump's last act: every rank has ended and all it wrote is mirrored, so the
+        cluster's GPUs go back at once. The watcher releases a job after its values only
+        while the job still runs (a teardown thread); one that ends while the values are
+        read would keep its actors and placement group until the caller's Ray connection
+        ends. Nothing to do while another thread releases."""
+        if self._release_lock.acquire(blocking=False):
+            try:
+                self._release()
+            finally:
+                self._release_lock.release()
+
+    def _release(self) -> None:
+        """``release``, under its lock."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        with self._release_lock:  # a second release (a second Ctrl-C) waits for the first
-            if self._released:
-                return
-            try:
-                self._quit.set()
-                if self._pump_thread.is_alive():
-                    self._pump_thread.join(RELEASE_WAIT_S)
-                if self.returncode is None:
-                    _quietly(self._finish, stopped=True)
-                gone = {r.bundle for r in self.rank_actors if r.lost is not None and r.actor_dead}
-                closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in gone]
-                if closes:  # each kills its rank's processes and removes its node's copy of the run
-                    ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S + CLOSE_MARGIN_S)
-            finally:  # whatever happened above, the GPUs are given back
-                for actor in self.actors:
-                    _quietly(ray.kill, actor, no_restart=True)
-                group = self.group or _named_group(f"gpufleet-{self.run.name}")
-                if group is not None:  # also one made just before a Ctrl-C stopped the launch
-                    _quietly(remove_placement_group, group)
-                self._released = True
-                if self.returncode is None:  # the report could not be written: still end
-                    self.returncode = 1
-                    self._done.set()
+        if self._released:
+            return
+        try:
+            self._quit.set()
+            if self._pump_thread.is_alive() and threading.current_thread() is not self._pump_thread:
+                self._pump_thread.join(RELEASE_WAIT_S)
+            if self.returncode is None:
+                _quietly(self._finish, stopped=True)
+            gone = {r.bundle for r in self.rank_actors if r.lost is not None and r.actor_dead}
+            closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in gone]
+            if closes:  # each kills its rank's processes and removes its node's copy of the run
+                ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S + CLOSE_MARGIN_S)
+        finally:  # whatever happened above, the GPUs are given back
+            for actor in self.actors:
+                _quietly(ray.kill, actor, no_restart=True)
+            group = self.group or _named_group(f"gpufleet-{self.run.name}")
+            if group is not None:  # also one made just before a Ctrl-C stopped the launch
+                _quietly(remove_placement_group, group)
+            self._released = True
+            if self.returncode is None:  # the report could not be written: still end
+                self.returncode = 1
+                self._done.set()
         _quietly(self._note, "released the actors and the placement group")
 
     # -- the pump ---------------------------------------------------------------------------
@@ -157,8 +196,10 @@ class RayJob(Job):
                 self._poll_round()
                 self._push_caller_files()
                 self._fail_fast()
+                self._watch_growth()
                 if all(r.final for r in self.rank_actors):
                     self._finish()
+                    self._release_when_ended()
                     return
                 time.sleep(PUMP_SECONDS)
         except Exception:  # never a silent hang: what is left of the job counts as lost
@@ -166,8 +207,9 @@ class RayJob(Job):
             self._note(f"the pump failed:\n{traceback.format_exc()}")
             for r in self.rank_actors:
                 if not r.final:
-                    self._lose(r, f"lost: gpufleet stopped following it ({why})")
+                    self._lose(r, f"lost: gpufleet stopped following it ({why})", machine=False)
             self._finish()
+            self._release_when_ended()
 
     def _poll_round(self) -> None:
         import ray
@@ -231,8 +273,11 @@ class RayJob(Job):
         if answer.get("timings"):
             write_private(run.timings(rank), answer["timings"])
         if answer.get("result") is not None:
-            write_private(run.result(rank), answer["result"])
             r.returned = True
+            # a rank that returned after a stop to grow: its value is no result of the run,
+            # whose next attempt resumes at the larger size (from its checkpoint)
+            if self._growing_since is None:
+                write_private(run.result(rank), answer["result"])
         if answer.get("exit") is not None:
             r.exit, r.ended_at = answer["exit"], answer["ended_at"]
             self._note(f"rank {rank} ({r.where}) exited with {_status(r.exit)}")
@@ -250,10 +295,14 @@ class RayJob(Job):
             return f"lost with its node: Ray counts node {r.node_id[:8]} dead ({said})"
         return f"lost: its Ray actor is gone (its node died, or the process was killed); Ray says {said}"
 
-    def _lose(self, r: RankActor, why: str) -> None:
+    def _lose(self, r: RankActor, why: str, machine: bool = True) -> None:
+        """``machine``: Ray lost it (its node or actor), rather than gpufleet giving up on it."""
         # dated when it was last heard of: a node that died before its peers' errors is
         # their root cause, not their echo
         r.lost, r.ended_at, r.pending = why, r.seen_at, None
+        if machine:
+            self.changed = self.changed or f"rank {r.rank} {why}"
+            self.lost_on.add(r.node_id)
         self._note(f"rank {r.rank} ({r.where}) lost: {why}")
 
     def _fail_fast(self) -> None:
@@ -272,7 +321,52 @@ class RayJob(Job):
         if waited > STOP_GRACE_SECONDS + UNAVAILABLE_LOST_S:
             for r in self.rank_actors:
                 if not r.final:
-                    self._lose(r, f"lost: it did not end within {UNAVAILABLE_LOST_S:g} s of SIGKILL")
+                    self._lose(r, f"lost: it did not end within {UNAVAILABLE_LOST_S:g} s of SIGKILL",
+                               machine=False)
+
+    # -- growing (an elastic job below its largest size) -------------------------------------
+
+    def _watch_growth(self) -> None:
+        """Room for more ranks that lasts GROW_STABLE_S asks every rank to stop
+        (``runtime.should_stop()``); those still running after the grace period are stopped.
+        The attempt then ends as resized, and the next one starts larger."""
+        growth, now = self.growth, time.monotonic()
+        if growth is None or self._stopping_since is not None:
+            return
+        if self._growing_since is not None:
+            if now > self._growing_since + growth.grace:
+                self._note(f"grace_period={growth.grace:g} s is over: stopping the ranks still running")
+                self._stop()
+            return
+        if now < self._next_room_check:
+            return
+        self._next_room_check = now + GROW_CHECK_S
+        if not all(r.started and not r.final and not r.returned for r in self.rank_actors):
+            self._room_since = None  # starting, or ending by itself: nothing to stop
+            return
+        try:
+            room = min(growth.most, growth.room(Counter(r.node_id for r in self.rank_actors)))
+        except Exception as exc:  # Ray's state is unreadable for a moment: ask again later
+            self._note(f"could not read the cluster's free resources: {type(exc).__name__}: {exc}")
+            return
+        if room <= self.world_size:
+            self._room_since = None
+        elif self._room_since is None:
+            self._room_since = now
+        elif now - self._room_since >= GROW_STABLE_S:
+            self._grow(room)
+
+    def _grow(self, room: int) -> None:
+        self._growing_since, self._grown_at = time.monotonic(), time.time()
+        self.changed = (f"stopped to grow: the Ray cluster has room for {room} ranks "
+                        f"({self.growth.spelled if self.growth else ''}), this attempt {self.world_size}")
+        self._note(self.changed)
+        log.info(f"room for {room} ranks in the Ray cluster (this attempt has {self.world_size}): "
+                 "asking every rank to stop (runtime.should_stop()) to start again at that size")
+        stop = self.run.stop_request.name
+        for r in self.rank_actors:
+            r.actor.push.remote(stop, b"RESIZE\n")
+            r.pushed.add(stop)
 
     def _stop(self) -> None:
         if self._stopping_since is None:
@@ -302,7 +396,9 @@ class RayJob(Job):
         the supervisor that the job ended."""
         failures = {}
         for r in self.rank_actors:
-            if r.lost is not None:
+            if self._growing_since is not None and r.lost is None:
+                failures[str(r.rank)] = {"lost": self.changed, "time": self._grown_at}
+            elif r.lost is not None:
                 failures[str(r.rank)] = {"lost": r.lost, "time": r.ended_at}
             elif r.failed:  # an exit code, or an exit 0 before the rank returned
                 failures[str(r.rank)] = {"exitcode": r.exit, "time": r.ended_at}

@@ -140,8 +140,11 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value  # older nvidia-ml-py: bytes
 
 
-def place(gpus: int | None, gpu_type: str | None) -> Placement:
+def place(gpus: int | tuple[int, int] | None, gpu_type: str | None) -> Placement:
     """Decide the processes of a local run, or raise ConfigError naming what was found."""
+    if isinstance(gpus, tuple):  # options refuse it without remote; a run of this machine never sizes itself
+        raise ConfigError(f"{spell('gpus', gpus)} is an elastic size, for a Ray cluster only "
+                          f"(remote=True); on this machine give a number, e.g. {spell('gpus', gpus[1])}")
     visible = visible_gpu_count()
     if visible == 0 and _environ.virtual_gpus():
         return _virtual(gpus, gpu_type, _environ.virtual_gpus())

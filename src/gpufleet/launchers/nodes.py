@@ -113,7 +113,7 @@ def spec(options: RunOptions) -> NodeSpec:
     endpoint = options.rdzv_endpoint or (f"{slurm.host}:{slurm.port}" if slurm else None)
     if endpoint is None:
         raise ConfigError(
-            f"{spell('nnodes', ':'.join(map(str, {low, high})))} needs {spell('rdzv_endpoint')}: "
+            f"{spell('nnodes', f'{low}:{high}' if low != high else low)} needs {spell('rdzv_endpoint')}: "
             f"HOST:PORT of one of the machines, the same on every machine, e.g. "
             f"{spell('rdzv_endpoint', 'node001:29400')}")
     host, _, port = endpoint.rpartition(":") if endpoint.rpartition(":")[2].isdigit() else (endpoint, "", "")

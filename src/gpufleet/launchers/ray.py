@@ -6,13 +6,17 @@ ask Ray for: one bundle per rank (a GPU and a CPU), the strategy, the runtime_en
 variables every rank shares; ``launch`` creates the placement group and one actor per bundle
 (``_ray_node``), orders the ranks by node then GPU, checks the nodes' versions and starts the
 ranks. It returns a ``RayJob`` (``_ray_job``), the job the watcher drives. ``RayLauncher``
-puts these behind the launch seam (``base.py``). docs/design.md ("Cluster launcher (Ray)")
-has the why.
+puts these behind the launch seam (``base.py``). An elastic run (``gpus=(min, max)``) is sized
+at each launch to the room the cluster has (``room``), and its job watches for more room
+(``_ray_job.Growth``). docs/design.md ("Cluster launcher (Ray)") has the why. The module is
+past 600 lines because connecting, placing, planning and launching share its helpers; each
+section below stands on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import pickle
@@ -21,6 +25,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ from gpufleet.errors import ConfigError, RunFailedError, RunTimeoutError
 from gpufleet.launchers import _ray_env
 from gpufleet.launchers._ray_env import check_submitter as check_submitter  # for runs/
 from gpufleet.launchers._ray_env import origin as origin
-from gpufleet.launchers._ray_job import RankActor, RayJob
+from gpufleet.launchers._ray_job import Growth, RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.launchers.base import Gate, Launcher
 from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
@@ -45,6 +50,8 @@ WAIT_NOTICE_S = 2.0  # a placement that takes longer is announced (the GPUs are 
 SETUP_NOTICE_S = 10.0  # a set-up that takes longer is announced (pip on the nodes, say)
 WAIT_REPEAT_S = 30.0
 JOB_STOP_WAIT_S = 30  # a run's Ray job: from stop_job's SIGINT to Ray's SIGKILL
+ELASTIC_PLACE_S = 3.0  # an elastic run's group above its minimum: placed by then, or fewer ranks are tried
+LOST_NODE_IGNORED_S = 60.0  # a node where ranks were lost gives no room this long, unless Ray drops it first
 CLUSTER_FILE = "cluster.json"  # in the run folder: where each rank ran, and the launch's phases
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK",
               "strict_spread": "STRICT_SPREAD"}
@@ -56,8 +63,13 @@ class ClusterPlacement(Placement):
 
     address: str = ""
     accelerator: str | None = None  # Ray's accelerator type that gpu_type resolved to
+    sizes: tuple[int, int] | None = None  # an elastic run's (min, max) ranks; nprocs is max
 
     def describe(self) -> str:
+        if self.sizes is not None:
+            unit = "GPUs" if self.device == "cuda" else "CPU processes"
+            return (f"{self.sizes[0]} to {self.sizes[1]} {unit} of the Ray cluster at {self.address}, as "
+                    "many as are free when each attempt starts (elastic)")
         if self.device == "cpu":
             noun = "process" if self.nprocs == 1 else "processes"
             return (f"no GPU in the Ray cluster at {self.address}: running {self.nprocs} CPU "
@@ -78,6 +90,7 @@ class RayPlan:
     placement_timeout: float
     timeout: float | None  # the call's, for messages
     attempt: Attempt  # where the ranks' reports are mirrored
+    grace_period: float = 30.0  # an elastic run's: for its ranks to stop before it grows
 
     @property
     def nprocs(self) -> int:
@@ -85,7 +98,9 @@ class RayPlan:
 
     def describe(self) -> str:
         bundle = ", ".join(f"{k}: {v:g}" for k, v in self.bundles[0].items()) if self.bundles else ""
-        return (f"{self.nprocs} ranks on the Ray cluster at {self.placement.address}: one bundle "
+        sizes = self.placement.sizes
+        ranks = f"{sizes[0]} to {sizes[1]} ranks (as many as are free)" if sizes else f"{self.nprocs} ranks"
+        return (f"{ranks} on the Ray cluster at {self.placement.address}: one bundle "
                 f"each ({bundle}), strategy {self.strategy}, runtime_env fields "
                 f"{', '.join(sorted(self.runtime_env)) or 'none'}")
 
@@ -97,13 +112,34 @@ class RayLauncher(Launcher[RayPlan]):
         self.placement = placement
         self.options = options
         self.gate = gate
+        self.job: RayJob | None = None  # the latest attempt's: why it ended
+        self.lost_nodes: dict[str, float] = {}  # node id -> when ranks were lost there
 
     def plan(self, attempt: Attempt, env: dict[str, str]) -> RayPlan:
         return plan(attempt, self.placement, self.options, attempt.number, env)
 
     def launch(self, plan: RayPlan) -> RayJob:
+        if self.job is not None:
+            self.lost_nodes.update(dict.fromkeys(self.job.lost_on, time.monotonic()))
+        self.job = None  # a launch that fails is no resize of the attempt before
         deadline = self.gate.begin()  # the cluster's wait for room counts against the timeout
-        return launch(plan, deadline)
+        self.job = launch(plan, deadline, self._ignored)
+        return self.job
+
+    def resized(self, error: RunFailedError) -> bool:
+        """An elastic attempt that ended because the cluster changed: ranks lost with their
+        node (or actor) first, or stopped to grow. A timeout, hang or cancel never is."""
+        job = self.job
+        if self.placement.sizes is None or job is None or job.changed is None:
+            return False
+        root = error.root_cause
+        return type(error) is RunFailedError and root is not None and root.kind == "lost"
+
+    def _ignored(self) -> set[str]:
+        """Nodes where this run lost ranks lately: Ray may count one alive (and its GPUs
+        free) for seconds after it died, and a run placed there would wait for it."""
+        now = time.monotonic()
+        return {node for node, when in self.lost_nodes.items() if now - when < LOST_NODE_IGNORED_S}
 
 
 @dataclass(frozen=True)
@@ -282,22 +318,27 @@ def dashboard_nodes(url: str) -> list[dict]:
 
 
 def _place(options: RunOptions, address: str, nodes: list[dict]) -> ClusterPlacement:
+    # an elastic run must fit with its minimum; its maximum may wait for nodes to join
+    sizes = options.gpus if isinstance(options.gpus, tuple) else None
+    fewest = sizes[0] if sizes else options.gpus if isinstance(options.gpus, int) else None
     if not any(n["Resources"].get("GPU", 0) >= 1 for n in nodes):
         if options.gpu_type:
             raise ConfigError(
                 f"{spell('gpu_type', options.gpu_type)} was asked for but the Ray cluster at {address} "
                 f"has no GPU; drop {spell('gpu_type')} to run CPU processes with gloo, or add GPU nodes"
             )
-        nprocs = options.gpus or CPU_DEFAULT_PROCESSES
+        nprocs = fewest or CPU_DEFAULT_PROCESSES
         check_fits(nprocs, _capacities(nodes, None, gpus=False), options.placement, address, "CPU")
-        return ClusterPlacement(device="cpu", nprocs=nprocs, address=address)
+        return ClusterPlacement(device="cpu", nprocs=sizes[1] if sizes else nprocs, address=address,
+                                sizes=sizes)
     accelerator = _accelerator(options.gpu_type, nodes, address) if options.gpu_type else None
     capacities = _capacities(nodes, accelerator, gpus=True)
-    nprocs = options.gpus or sum(capacities.values())
+    nprocs = fewest or sum(capacities.values())
     check_fits(nprocs, capacities, options.placement, address, "GPU")
+    nprocs = sizes[1] if sizes else nprocs
     return ClusterPlacement(
         device="cuda", nprocs=nprocs, address=address, accelerator=accelerator,
-        gpu_names=(accelerator,) * nprocs if accelerator else (),
+        gpu_names=(accelerator,) * nprocs if accelerator else (), sizes=sizes,
     )
 
 
@@ -395,6 +436,7 @@ def plan(
         placement_timeout=options.placement_timeout,
         timeout=options.timeout,
         attempt=run,
+        grace_period=options.grace_period,
     )
 
 
@@ -474,8 +516,10 @@ def _gpu_key(gpus: list[str]) -> tuple:
 # -- launch ---------------------------------------------------------------------------------
 
 
-def launch(launch_plan: RayPlan, deadline: float | None = None) -> RayJob:
-    """Place, start and return the job; on any failure (Ctrl-C too) release what was made."""
+def launch(launch_plan: RayPlan, deadline: float | None = None,
+           ignored: Callable[[], set[str]] = set) -> RayJob:
+    """Place, start and return the job; on any failure (Ctrl-C too) release what was made.
+    ``ignored``: nodes an elastic run's room leaves out (``RayLauncher._ignored``)."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -487,9 +531,12 @@ def launch(launch_plan: RayPlan, deadline: float | None = None) -> RayJob:
     phases = {"started": time.time()}
     job = RayJob(run)
     try:
-        job.group = placement_group(launch_plan.bundles, strategy=launch_plan.strategy,
-                                    name=f"gpufleet-{run.name}")
-        _wait_for_placement(ray, job.group, launch_plan, run, deadline)
+        if launch_plan.placement.sizes is None:
+            job.group = placement_group(launch_plan.bundles, strategy=launch_plan.strategy,
+                                        name=f"gpufleet-{run.name}")
+            _wait_for_placement(ray, job.group, launch_plan, run, deadline)
+        else:
+            launch_plan = _place_elastic(ray, job, launch_plan, run, deadline, ignored)
         phases["placed"] = time.time()
         job.actors = _create_actors(ray, job.group, launch_plan, runtime_env)
         described = _gather(ray, [a.describe.remote() for a in job.actors], launch_plan, run, deadline,
@@ -500,10 +547,72 @@ def launch(launch_plan: RayPlan, deadline: float | None = None) -> RayJob:
         ranks = _start_ranks(ray, job.actors, slots, launch_plan, run, payload, deadline)
         phases["ranks_started"] = time.time()
         _record_layout(run, launch_plan, slots, ranks, job.group, phases)
-        return job.start(ranks)
+        return job.start(ranks, _growth(ray, launch_plan, ignored))
     except BaseException:
         job.release()
         raise
+
+
+def _place_elastic(ray, job: RayJob, launch_plan: RayPlan, run: RunDir, deadline: float | None,
+                   ignored: Callable[[], set[str]]) -> RayPlan:
+    """An elastic run's placement group, with as many bundles as the cluster has room for
+    now (at least its minimum, which is waited for as any run's group is). A group above the
+    minimum that is not placed within ELASTIC_PLACE_S (the room was taken meanwhile, or a
+    dead node still looked alive) gives way to one rank fewer. Returns the plan at that size."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    assert launch_plan.placement.sizes is not None
+    low, high = launch_plan.placement.sizes
+    below = high + 1
+    while True:
+        free = room(ray, launch_plan.placement, launch_plan.strategy, ignore=ignored())
+        sized = dataclasses.replace(launch_plan, bundles=launch_plan.bundles[:max(low, min(high, below - 1, free))])
+        group = job.group = placement_group(sized.bundles, strategy=sized.strategy, name=f"gpufleet-{run.name}")
+        if sized.nprocs == low:
+            _wait_for_placement(ray, group, sized, run, deadline)
+            return sized
+        if ray.wait([group.ready()], timeout=ELASTIC_PLACE_S)[0]:
+            return sized
+        remove_placement_group(group)
+        job.group, below = None, sized.nprocs
+
+
+def room(ray, placement: ClusterPlacement, strategy: str, held: dict[str, int] | None = None,
+         ignore: Collection[str] = ()) -> int:
+    """How many ranks the cluster has room for now: each live node's free GPUs (of the asked
+    model) with a CPU each, plus the bundles ``held`` there (by node id: a job's own), under
+    the placement strategy; the nodes in ``ignore`` give none."""
+    # per node, which Ray's public API does not give: a bundle must fit one node (Ray 2.60)
+    free = ray._private.state.available_resources_per_node()
+    held = held or {}
+    slots = []
+    for node in ray.nodes():
+        node_id = node["NodeID"]
+        if not node.get("Alive") or node_id in ignore:
+            continue
+        if placement.accelerator and f"accelerator_type:{placement.accelerator}" not in node["Resources"]:
+            continue
+        there = free.get(node_id, {})
+        n = int(there.get("CPU", 0) // CPUS_PER_RANK)
+        if placement.device == "cuda":
+            n = min(n, int(there.get("GPU", 0)))
+        slots.append(n + held.get(node_id, 0))
+    if strategy == "STRICT_PACK":
+        return max(slots, default=0)
+    if strategy == "STRICT_SPREAD":
+        return sum(n > 0 for n in slots)
+    return sum(slots)
+
+
+def _growth(ray, launch_plan: RayPlan, ignored: Callable[[], set[str]]) -> Growth | None:
+    """What an elastic job below its maximum needs to see room for more ranks."""
+    sizes = launch_plan.placement.sizes
+    if sizes is None or launch_plan.nprocs >= sizes[1]:
+        return None
+    return Growth(
+        most=sizes[1], grace=launch_plan.grace_period, spelled=f"elastic: {sizes[0]} to {sizes[1]} ranks",
+        room=lambda held: room(ray, launch_plan.placement, launch_plan.strategy, held, ignored()),
+    )
 
 
 def _wait_for_placement(ray, group, launch_plan: RayPlan, run: RunDir, deadline: float | None) -> None:
@@ -647,5 +756,7 @@ def _record_layout(run: RunDir, launch_plan: RayPlan, slots: list[Slot], ranks: 
         gpus = ",".join(g for s in on for g in s.node["gpus"])
         nodes.append(f"node {node_rank} {on[0].node['ip']}: ranks {on[0].rank}-{on[-1].rank}"
                      + (f" (GPUs {gpus})" if gpus else ""))
+    sizes = launch_plan.placement.sizes
+    elastic = f" (elastic, {sizes[0]} to {sizes[1]}: as many as were free)" if sizes else ""
     log.info(f"{len(slots)} ranks on {len(nodes)} node{'s' if len(nodes) != 1 else ''} of "
-             f"the Ray cluster at {launch_plan.placement.address}: {'; '.join(nodes)}")
+             f"the Ray cluster at {launch_plan.placement.address}{elastic}: {'; '.join(nodes)}")

@@ -136,7 +136,7 @@ class Supervisor:
         step, metrics = self.progress.read()
         self.steps.read()
         return progress.Status(
-            name=self.folder.name, world_size=self.world_size,
+            name=self.folder.name, world_size=len(self.ranks),  # alive of those here
             elapsed=time.time() - self.began,
             alive=None if outcome else self.monitor.alive(), step=step, metrics=metrics,
             attempt=self.number, outcome=outcome,
