@@ -94,3 +94,24 @@ def run_script(start_script):
         return start_script(source, *args, **kwargs).wait(timeout)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A real Slurm (munged, slurmctld, one slurmd per host) on two network-namespace hosts
+    (tests/slurm.py), for a module's tests; skipped where it cannot run. Its daemons' logs are
+    kept in the session's temporary folder (slurm-logs*/), for a failure's post-mortem."""
+    from netns import Unavailable
+    from slurm import start_on_a_new_network
+
+    try:
+        network, cluster = start_on_a_new_network()
+    except Unavailable as exc:
+        pytest.skip(f"no Slurm test cluster: {exc}")
+    try:
+        yield cluster
+    finally:
+        cluster.close(keep_logs=tmp_path_factory.mktemp("slurm-logs"))
+        network.close()
+        assert not cluster.leftovers(), f"left on the machine: {cluster.leftovers()}"
+        assert not network.leftovers(), f"left on the machine: {network.leftovers()}"

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from netns import Host, Network
+from netns import Host, Network, _run
 from netns import Unavailable as NetworkUnavailable
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -492,9 +492,13 @@ def _end(processes: list[psutil.Process], sig: int) -> None:
     psutil.wait_procs(alive, timeout=TERM_GRACE_S)
 
 
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=COMMAND_TIMEOUT_S, check=False)
-    if check and done.returncode:
-        raise RuntimeError(f"{shlex.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
-    return done
+def start_on_a_new_network(hosts: int = 2) -> tuple[Network, SlurmCluster]:
+    """A network of ``hosts`` hosts and a Slurm cluster on it; Unavailable (a netns.Unavailable)
+    where either cannot be made. The caller closes both: the cluster, then the network."""
+    check_available()
+    network = Network.create(hosts)
+    try:
+        return network, SlurmCluster.start(network)
+    except BaseException:
+        network.close()
+        raise

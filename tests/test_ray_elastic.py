@@ -154,7 +154,7 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_grows_when_one_joins_and_end
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
     try:
-        if wait_for(lambda: logged(fn, r"step [3-9] world 4"), timeout=120):
+        if wait_for(lambda: logged(fn, r"step ([6-9]|1[0-9]) world 4"), timeout=120):  # after a checkpoint
             cluster.remove_node(doomed, allow_graceful=False)
             events["lost"] = time.time()
             if wait_for(lambda: logged(fn, r"step \d+ world 2"), timeout=90):

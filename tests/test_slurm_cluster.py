@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import Network, Unavailable
-from slurm import SlurmCluster, check_available
+from netns import Unavailable
+from slurm import SlurmCluster, start_on_a_new_network
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -68,32 +68,9 @@ else:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Two hosts, node1 (with slurmctld) and node2. Their daemons' logs are kept in the
-    session's temporary folder (slurm-logs*/), for a failure's post-mortem."""
-    network, cluster = start_cluster()
-    try:
-        yield cluster
-    finally:
-        cluster.close(keep_logs=tmp_path_factory.mktemp("slurm-logs"))
-        network.close()
-        assert not cluster.leftovers(), f"left on the machine: {cluster.leftovers()}"
-        assert not network.leftovers(), f"left on the machine: {network.leftovers()}"
-
-
-def start_cluster() -> tuple[Network, SlurmCluster]:
-    """A network of two hosts and a Slurm cluster on it; the test is skipped where either
-    cannot be made (slurm.Unavailable is a netns.Unavailable)."""
-    try:
-        check_available()
-        network = Network.create(2)
-    except Unavailable as exc:
-        pytest.skip(f"no Slurm test cluster: {exc}")
-    try:
-        return network, SlurmCluster.start(network)
-    except BaseException:
-        network.close()
-        raise
+def cluster(slurm_cluster):
+    """Two hosts, node1 (with slurmctld) and node2 (conftest.py's ``slurm_cluster``)."""
+    return slurm_cluster
 
 
 def write(folder: Path, name: str, source: str) -> Path:
@@ -174,7 +151,10 @@ def test_failed_batch_job_reports_its_exit_code(cluster):
 
 def test_close_ends_running_jobs_and_removes_everything():
     """A cluster of its own, closed while a batch job's step sleeps on both nodes."""
-    network, cluster = start_cluster()
+    try:
+        network, cluster = start_on_a_new_network()
+    except Unavailable as exc:
+        pytest.skip(f"no Slurm test cluster: {exc}")
     try:
         job_id = cluster.sbatch("#!/bin/sh\n#SBATCH --nodes=2\nsrun sleep 600\n")
         sleepers = wait_for_sleepers(cluster, count=2)

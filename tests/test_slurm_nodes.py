@@ -15,7 +15,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from test_slurm_cluster import start_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -55,20 +54,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    network, cluster = start_cluster()
-    try:
-        yield cluster
-    finally:
-        cluster.close(keep_logs=tmp_path_factory.mktemp("slurm-logs"))
-        network.close()
-        assert not cluster.leftovers(), f"left on the machine: {cluster.leftovers()}"
-
-
-def test_srun_gpufleet_run_needs_no_node_flags(slurm, tmp_path):
+def test_srun_gpufleet_run_needs_no_node_flags(slurm_cluster, tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))
-    done = slurm.srun(["-N2", "--ntasks-per-node=1", GPUFLEET, "run", "--nproc-per-node", "2",
+    done = slurm_cluster.srun(["-N2", "--ntasks-per-node=1", GPUFLEET, "run", "--nproc-per-node", "2",
                        "--no-tracking", "train.py"], cwd=tmp_path, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     ranks = dict(re.findall(r"rank (\d) of 4 on (node\d) node \d sum 6", done.stdout))
@@ -77,14 +65,14 @@ def test_srun_gpufleet_run_needs_no_node_flags(slurm, tmp_path):
                      done.stderr), done.stderr
 
 
-def test_a_decorated_call_in_an_sbatch_script_runs_on_every_node(slurm, tmp_path):
+def test_a_decorated_call_in_an_sbatch_script_runs_on_every_node(slurm_cluster, tmp_path):
     (tmp_path / "decorated.py").write_text(textwrap.dedent(DECORATED))
     script = f"""#!/bin/bash
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 srun {sys.executable} decorated.py
 """
-    job = slurm.wait(slurm.sbatch(script, cwd=tmp_path), timeout=RUN_TIMEOUT_S)
+    job = slurm_cluster.wait(slurm_cluster.sbatch(script, cwd=tmp_path), timeout=RUN_TIMEOUT_S)
     assert job.state == "COMPLETED", job.output
     lines = re.findall(r"(node\d): rank (\d) of 4 sum 4", job.output)
     # each machine's call returns its own ranks' values, in rank order
