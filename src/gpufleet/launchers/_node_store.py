@@ -35,6 +35,7 @@ from gpufleet._log import log
 BEAT_S = 0.5
 LOST_AFTER_S = 6.0  # no beat for this long: the machine (or its gpufleet) is gone
 CONNECT_TIMEOUT_S = 600.0  # for the serving machine to come up: torchrun's join timeout
+CONNECT_TRY_S = 2.0  # each try to connect (Ctrl-C is heard between tries)
 OP_TIMEOUT_S = 30.0
 DONE_WAIT_S = 60.0  # the serving machine waits this long for the others to finish
 
@@ -120,9 +121,29 @@ class NodeStore:
             except (RuntimeError, ValueError) as exc:  # another node of this machine serves it
                 log.debug(f"the rendezvous store on port {port} is served elsewhere: {exc}")
         store = cls(host, port, run_id, me, server)
-        store.client(connect_timeout=CONNECT_TIMEOUT_S).compare_set(store.prefix + "round", "", "0")
+        store._connect()
+        store.client().compare_set(store.prefix + "round", "", "0")
         store._beats.start()
         return store
+
+    def _connect(self) -> None:
+        """Wait for the serving machine (CONNECT_TIMEOUT_S at most), in short tries, so that
+        Ctrl-C is heard between them and the wait is said once it lasts."""
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        said = False
+        while True:
+            try:
+                self.client(connect_timeout=CONNECT_TRY_S)
+                return
+            except (RuntimeError, TimeoutError) as exc:  # not serving yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no machine served the run's store at {self.host}:{self.port} "
+                                       f"within {CONNECT_TIMEOUT_S:g} s: is the machine with that address "
+                                       f"running gpufleet with the same options? ({exc})") from None
+                if not said and time.monotonic() > deadline - CONNECT_TIMEOUT_S + 5:
+                    log.info(f"waiting for the machine that serves {self.host}:{self.port} "
+                             "(the rendezvous endpoint) to start gpufleet")
+                    said = True
 
     def client(self, connect_timeout: float = OP_TIMEOUT_S):
         from torch.distributed import TCPStore

@@ -41,6 +41,7 @@ from gpufleet.watch.monitor import RunMonitor
 
 DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
 WATCH_EVERY_S = 0.25
+SAY_WAITING_AFTER_S = 10.0
 JOIN_GRACE_S = 10.0  # a round that started without this machine: it asks to join after this
 HANG_ANSWER_S = 20.0  # for the other machines' stacks after a hang (each takes a few seconds)
 ECHO_WAIT_S = 2.0  # a machine whose ranks only saw a communication error lets the others speak
@@ -248,14 +249,25 @@ class NodeJob(LocalJob):
     def meet(self, gate: Gate) -> bool:
         """Wait until the machines of this round have met (True), or the agent ended, or the
         round ended first (False)."""
+        try:
+            return self._meet(gate)
+        except BaseException:  # Ctrl-C, a stop: the agent must not wait on in the rendezvous
+            self.stop()
+            self.release()
+            raise
+
+    def _meet(self, gate: Gate) -> bool:
         started = time.monotonic()
         path = self.attempt.path / "round.json"
+        said = False
         while not path.exists():
+            if not said and time.monotonic() - started > SAY_WAITING_AFTER_S:
+                said = True
+                log.info(f"waiting for the other machines to meet at {self.spec.endpoint} "
+                         f"(round {self.round}; {self.spec.describe()})")
             if self.agent.poll() is not None:
                 return path.exists()
             if gate.stopped():
-                self.stop()
-                self.release()
                 raise gate.never_started()
             ended = self.store.ended(self.round)
             if ended is not None:
