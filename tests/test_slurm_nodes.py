@@ -77,3 +77,12 @@ srun {sys.executable} decorated.py
     lines = re.findall(r"(node\d): rank (\d) of 4 sum 4", job.output)
     # each machine's call returns its own ranks' values, in rank order
     assert sorted(lines) == [("node1", "0"), ("node1", "1"), ("node2", "2"), ("node2", "3")], job.output
+
+
+def test_the_sbatch_example_trains_on_both_machines(slurm_cluster):
+    repo = Path(__file__).resolve().parents[1]
+    script = (repo / "examples" / "slurm" / "mlp_ddp.sbatch").read_text()
+    # the test cluster's partition allows short jobs only: the command line's --time wins
+    job = slurm_cluster.wait(slurm_cluster.sbatch(script, "--time=5", cwd=repo), timeout=RUN_TIMEOUT_S)
+    assert job.state == "COMPLETED", job.output
+    assert "in a Slurm job step: 2 machines meeting at node1" in job.output, job.output
