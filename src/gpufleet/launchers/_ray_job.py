@@ -106,6 +106,7 @@ class RayJob(Job):
         self.growth: Growth | None = None
         self.changed: str | None = None  # the cluster ended the attempt: why (a lost rank, room to grow)
         self.lost_on: set[str] = set()  # nodes where Ray lost ranks of this job
+        self.grown_to: int | None = None  # the room it stopped to grow into
         self._growing_since: float | None = None  # asked the ranks to stop, to start again larger
         self._grown_at = 0.0
         self._room_since: float | None = None
@@ -172,7 +173,10 @@ class RayJob(Job):
                 self._pump_thread.join(RELEASE_WAIT_S)
             if self.returncode is None:
                 _quietly(self._finish, stopped=True)
-            gone = {r.bundle for r in self.rank_actors if r.lost is not None and r.actor_dead}
+            # a lost rank's actor that Ray reports dead or cannot reach would only make the
+            # close wait its full time: ray.kill below is all it can take
+            gone = {r.bundle for r in self.rank_actors
+                    if r.lost is not None and (r.actor_dead or r.unreachable_since is not None)}
             closes = [actor.close.remote() for i, actor in enumerate(self.actors) if i not in gone]
             if closes:  # each kills its rank's processes and removes its node's copy of the run
                 ray.wait(closes, num_returns=len(closes), timeout=RELEASE_WAIT_S + CLOSE_MARGIN_S)
@@ -357,7 +361,7 @@ class RayJob(Job):
             self._grow(room)
 
     def _grow(self, room: int) -> None:
-        self._growing_since, self._grown_at = time.monotonic(), time.time()
+        self._growing_since, self._grown_at, self.grown_to = time.monotonic(), time.time(), room
         self.changed = (f"stopped to grow: the Ray cluster has room for {room} ranks "
                         f"({self.growth.spelled if self.growth else ''}), this attempt {self.world_size}")
         self._note(self.changed)

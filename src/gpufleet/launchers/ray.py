@@ -119,11 +119,13 @@ class RayLauncher(Launcher[RayPlan]):
         return plan(attempt, self.placement, self.options, attempt.number, env)
 
     def launch(self, plan: RayPlan) -> RayJob:
+        grown_to = None
         if self.job is not None:
             self.lost_nodes.update(dict.fromkeys(self.job.lost_on, time.monotonic()))
+            grown_to = self.job.grown_to
         self.job = None  # a launch that fails is no resize of the attempt before
         deadline = self.gate.begin()  # the cluster's wait for room counts against the timeout
-        self.job = launch(plan, deadline, self._ignored)
+        self.job = launch(plan, deadline, self._ignored, grown_to)
         return self.job
 
     def resized(self, error: RunFailedError) -> bool:
@@ -517,9 +519,10 @@ def _gpu_key(gpus: list[str]) -> tuple:
 
 
 def launch(launch_plan: RayPlan, deadline: float | None = None,
-           ignored: Callable[[], set[str]] = set) -> RayJob:
+           ignored: Callable[[], set[str]] = set, grown_to: int | None = None) -> RayJob:
     """Place, start and return the job; on any failure (Ctrl-C too) release what was made.
-    ``ignored``: nodes an elastic run's room leaves out (``RayLauncher._ignored``)."""
+    An elastic run's room leaves out the nodes ``ignored`` names (``RayLauncher._ignored``);
+    ``grown_to``: the room its previous attempt stopped to grow into."""
     import ray
     from ray.util.placement_group import placement_group
 
@@ -536,7 +539,7 @@ def launch(launch_plan: RayPlan, deadline: float | None = None,
                                         name=f"gpufleet-{run.name}")
             _wait_for_placement(ray, job.group, launch_plan, run, deadline)
         else:
-            launch_plan = _place_elastic(ray, job, launch_plan, run, deadline, ignored)
+            launch_plan = _place_elastic(ray, job, launch_plan, run, deadline, ignored, grown_to)
         phases["placed"] = time.time()
         job.actors = _create_actors(ray, job.group, launch_plan, runtime_env)
         described = _gather(ray, [a.describe.remote() for a in job.actors], launch_plan, run, deadline,
@@ -554,18 +557,21 @@ def launch(launch_plan: RayPlan, deadline: float | None = None,
 
 
 def _place_elastic(ray, job: RayJob, launch_plan: RayPlan, run: RunDir, deadline: float | None,
-                   ignored: Callable[[], set[str]]) -> RayPlan:
+                   ignored: Callable[[], set[str]], grown_to: int | None) -> RayPlan:
     """An elastic run's placement group, with as many bundles as the cluster has room for
     now (at least its minimum, which is waited for as any run's group is). A group above the
     minimum that is not placed within ELASTIC_PLACE_S (the room was taken meanwhile, or a
-    dead node still looked alive) gives way to one rank fewer. Returns the plan at that size."""
+    dead node still looked alive) gives way to one rank fewer. Returns the plan at that size.
+    ``grown_to`` is tried first: Ray's free resources may not yet show the group of the
+    attempt that stopped to grow into it."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     assert launch_plan.placement.sizes is not None
     low, high = launch_plan.placement.sizes
     below = high + 1
     while True:
-        free = room(ray, launch_plan.placement, launch_plan.strategy, ignore=ignored())
+        free = max(room(ray, launch_plan.placement, launch_plan.strategy, ignore=ignored()), grown_to or 0)
+        grown_to = None
         sized = dataclasses.replace(launch_plan, bundles=launch_plan.bundles[:max(low, min(high, below - 1, free))])
         group = job.group = placement_group(sized.bundles, strategy=sized.strategy, name=f"gpufleet-{run.name}")
         if sized.nprocs == low:

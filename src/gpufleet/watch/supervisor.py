@@ -198,11 +198,13 @@ class Supervisor:
         except RunFailedError:
             self._end_ranks()  # a failed call returns once its ranks are gone
             raise
-        if self.returned and self.job.poll() is None:
-            if not self.job.keeps_ranks:  # the values go back while the ranks and the agent exit
+        if self.returned and not self.job.keeps_ranks:
+            if self.job.poll() is None:  # the values go back while the ranks and the agent exit
                 # not a daemon: a script that ends right after the call still lets its ranks
                 # finish their exit (atexit hooks, NCCL teardown) before the agent goes
                 threading.Thread(target=self._teardown, name="gpufleet-teardown").start()
+            else:  # it ended while the values were read, after the release was skipped
+                self.job.release()
         return values
 
     def _stopping_error(self, ending: Ending) -> RunFailedError | None:
