@@ -39,6 +39,7 @@ def _fn():
     ({"nnodes": 2, "rdzv_endpoint": "h:1", "node_rank": -1}, "node_rank=-1 must be a whole number"),
     ({"nnodes": 2, "rdzv_endpoint": "h:1", "remote": True}, "does not combine with remote=True"),
     ({"nnodes": 2, "rdzv_endpoint": "h:1", "rdzv_id": "a b"}, "rdzv_id='a b' must be letters"),
+    ({"node_rank": 1}, "node_rank=1 only applies to a run over several machines: add nnodes=2"),
 ])
 def test_bad_node_options_are_one_error_before_anything_starts(options, says, tmp_path):
     with pytest.raises(ConfigError, match=".*".join(map(_escape, says.split("*")))):

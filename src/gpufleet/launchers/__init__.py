@@ -31,7 +31,10 @@ _LAUNCHERS = {
 def place(options: RunOptions) -> Placement:
     """Where the run's ranks go (how many, on which device); ConfigError when they cannot.
     A remote launcher connects to its cluster to know."""
-    return _module(_remote(options) or ("nodes" if nodes_wanted(options) else "local")).place(options)
+    nodes = nodes_wanted(options)
+    if not nodes:
+        _check_no_node_options(options)
+    return _module(_remote(options) or ("nodes" if nodes else "local")).place(options)
 
 
 def for_run(placement: Placement, options: RunOptions, gate: Gate) -> Launcher:
@@ -47,6 +50,18 @@ def nodes_wanted(options: RunOptions) -> bool:
     from gpufleet.launchers import nodes
 
     return nodes.wanted(options)
+
+
+def _check_no_node_options(options: RunOptions) -> None:
+    """Node options on a run of one machine would be silently unused."""
+    from gpufleet.options import spell
+
+    given = [spell(name, getattr(options, name)) for name in ("node_rank", "rdzv_endpoint", "rdzv_id")
+             if getattr(options, name) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)} only appl{'ies' if len(given) == 1 else 'y'} to a run over "
+                          f"several machines: add {spell('nnodes', 2)} (or MIN:MAX), or drop "
+                          f"{'it' if len(given) == 1 else 'them'} to run on this machine")
 
 
 def _remote(options: RunOptions) -> str | None:

@@ -71,7 +71,7 @@ class NodeSpec:
     def describe(self) -> str:
         count = f"{self.min_nodes} to {self.max_nodes}" if self.elastic else str(self.max_nodes)
         source = " (from Slurm)" if self.slurm else ""
-        return f"{count} machines meeting at {self.endpoint}, run {self.rdzv_id!r}{source}"
+        return f"{count} machine{'s' if self.max_nodes > 1 else ''} meeting at {self.endpoint}, run {self.rdzv_id!r}{source}"
 
 
 def wanted(options: RunOptions) -> bool:
