@@ -236,6 +236,26 @@ def test_a_machine_that_dies_stops_the_other_which_says_it_was_lost(network, nod
     assert not _left(network, h1), "processes left on machine 1"
 
 
+def test_a_machine_cut_off_the_network_is_named_lost_and_both_stop(network, nodes):
+    """No connection error here (the cable is out): beats alone tell."""
+    h1, h2 = network.hosts
+    first, second = nodes(h1, 0, STEPS="1000", PAUSE="0.05"), nodes(h2, 1, STEPS="1000", PAUSE="0.05")
+    second.wait_for(r"step 10 ")
+    network.link_down(h2)
+    try:
+        cut = time.monotonic()
+        assert first.wait() == 1, first.text()
+        took = time.monotonic() - cut
+        print(f"machine 2 cut off -> machine 1 ended in {took:.1f} s")
+        assert took < LOST_BOUND_S, first.text()
+        root = first.text().split("root cause: ", 1)[1].splitlines()[0]
+        assert root.startswith("rank 2: lost: no heartbeat") and f"(node 1 ({h2.ip}))" in root, first.text()
+        assert second.wait(60) == 1, second.text()  # it cannot reach the run's store: it stops too
+        assert "cannot be reached" in second.text() or "lost" in second.text(), second.text()
+    finally:
+        network.link_up(h2)
+
+
 @pytest.mark.timeout(480)
 def test_an_elastic_run_goes_from_two_machines_to_one_and_back_and_ends_as_an_uninterrupted_run(
         network, nodes, tmp_path):

@@ -23,8 +23,10 @@ clocks need not agree.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
+import queue
 import socket
 import threading
 import time
@@ -36,7 +38,7 @@ BEAT_S = 0.5
 LOST_AFTER_S = 6.0  # no beat for this long: the machine (or its gpufleet) is gone
 CONNECT_TIMEOUT_S = 600.0  # for the serving machine to come up: torchrun's join timeout
 CONNECT_TRY_S = 2.0  # each try to connect (Ctrl-C is heard between tries)
-OP_TIMEOUT_S = 30.0
+OP_TIMEOUT_S = 15.0  # a store that answers no operation for this long is gone
 DONE_WAIT_S = 60.0  # the serving machine waits this long for the others to finish
 
 
@@ -93,6 +95,56 @@ def route_to(host: str, port: int) -> tuple[str, str | None]:
     return addr, None
 
 
+class _Operations:
+    """One daemon thread that runs the store's operations in turn, so that the caller can stop
+    waiting for one: a TCPStore operation on a connection whose peer vanished (a cable pulled:
+    no reset ever comes) waits for ever, and a thread stuck there must not hold the process."""
+
+    def __init__(self):
+        self._queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._serve, name="gpufleet-node-store", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            operation, outcome, done = self._queue.get()
+            try:
+                outcome.append((True, operation()))
+            except BaseException as exc:  # handed to the caller, which raises it
+                outcome.append((False, exc))
+            done.set()
+
+    def run(self, operation, timeout: float):
+        outcome: list = []
+        done = threading.Event()
+        self._queue.put((operation, outcome, done))
+        if not done.wait(timeout):
+            raise TimeoutError(f"no answer in {timeout:g} s")
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+
+def _bounded(method):
+    """The store operation ``method``, run by the store's operations thread, OP_TIMEOUT_S at
+    most; once one timed out, the store counts as gone and every later one fails at once."""
+
+    @functools.wraps(method)
+    def bounded(self: "NodeStore", *args, **kwargs):
+        if threading.current_thread() is self._operations.thread:  # one operation calls another
+            return method(self, *args, **kwargs)
+        if self.gone is not None:
+            raise ConnectionError(f"the run's store at {self.host}:{self.port} is gone: {self.gone}")
+        try:
+            return self._operations.run(lambda: method(self, *args, **kwargs), OP_TIMEOUT_S)
+        except TimeoutError as exc:
+            self.gone = exc
+            raise
+
+    return bounded
+
+
 class NodeStore:
     """This machine's connection to the run's store (and the store itself on the serving
     machine), with the thread that beats for it."""
@@ -106,6 +158,7 @@ class NodeStore:
         self._beats = threading.Thread(target=self._beat, name="gpufleet-node-beat", daemon=True)
         self._seen: dict[str, tuple[int, float]] = {}  # node id -> (its counter, when it moved)
         self.gone: BaseException | None = None  # the store could not be reached any more
+        self._operations = _Operations()
 
     @classmethod
     def open(cls, host: str, port: int, run_id: str, me: str) -> "NodeStore":
@@ -158,31 +211,38 @@ class NodeStore:
 
     # -- rounds ------------------------------------------------------------------------------
 
+    @_bounded
     def round(self) -> int:
         return int(self.client().get(self.prefix + "round"))
 
+    @_bounded
     def next_round(self, ended: int) -> int:
         """Round ``ended`` is over: the next one (whoever asks first moves it on)."""
         value = self.client().compare_set(self.prefix + "round", str(ended), str(ended + 1))
         return int(value)
 
+    @_bounded
     def joined(self, number: int, node: int, info: dict) -> None:
         self.client().set(f"{self.prefix}r{number}/node/{node}", json.dumps(info))
 
+    @_bounded
     def members(self, number: int, nnodes: int) -> dict[int, dict]:
         """The machines of round ``number`` that have met, by group rank."""
         keys = [f"{self.prefix}r{number}/node/{g}" for g in range(nnodes)]
         store = self.client()
         return {g: json.loads(store.get(k)) for g, k in enumerate(keys) if store.check([k])}
 
+    @_bounded
     def started(self, number: int) -> bool:
         return self.client().check([f"{self.prefix}r{number}/node/0"])
 
+    @_bounded
     def end(self, number: int, why: Ended) -> Ended:
         """Say why round ``number`` ended, unless a machine said it first: the first word."""
         key = f"{self.prefix}r{number}/ended"
         return Ended.read(self.client().compare_set(key, "", why.dump()))
 
+    @_bounded
     def ended(self, number: int) -> Ended | None:
         key = f"{self.prefix}r{number}/ended"
         store = self.client()
@@ -190,19 +250,23 @@ class NodeStore:
 
     # -- hangs -------------------------------------------------------------------------------
 
+    @_bounded
     def ask_for_stacks(self, number: int) -> str:
         """Ask every machine of round ``number`` for its ranks' stacks; the id of the machine
         that asked first (the one whose diagnosis counts)."""
         return self.client().compare_set(f"{self.prefix}r{number}/hang", "", self.me).decode()
 
+    @_bounded
     def stacks_asked(self, number: int) -> str | None:
         key = f"{self.prefix}r{number}/hang"
         store = self.client()
         return store.get(key).decode() if store.check([key]) else None
 
+    @_bounded
     def give_stacks(self, number: int, node: int, states: dict) -> None:
         self.client().set(f"{self.prefix}r{number}/stacks/{node}", json.dumps(states))
 
+    @_bounded
     def stacks(self, number: int, node: int) -> dict | None:
         key = f"{self.prefix}r{number}/stacks/{node}"
         store = self.client()
@@ -218,6 +282,7 @@ class NodeStore:
                 self.gone = exc
                 return
 
+    @_bounded
     def stale(self, ids: list[str], number: int) -> list[str]:
         """Those of ``ids`` whose counter has not moved for LOST_AFTER_S (the first look at
         a machine starts its clock), but for machines through with round ``number``."""
@@ -231,22 +296,26 @@ class NodeStore:
                 stale.append(node)
         return stale
 
+    @_bounded
     def beaten_since(self, ids: list[str], since: dict[str, int], number: int) -> bool:
         """Whether each of ``ids`` still in round ``number`` beat after ``since`` (``counters``)."""
         store = self.client()
         return all(store.add(f"{self.prefix}beat/{n}", 0) > since.get(n, 0) for n in self.running(ids, number))
 
+    @_bounded
     def running(self, ids: list[str], number: int) -> list[str]:
         """Those of ``ids`` not yet through with round ``number`` (``done``)."""
         store = self.client()
         return [n for n in ids if not store.check([f"{self.prefix}r{number}/done/{n}"])]
 
+    @_bounded
     def counters(self, ids: list[str]) -> dict[str, int]:
         store = self.client()
         return {n: store.add(f"{self.prefix}beat/{n}", 0) for n in ids}
 
     # -- the end -----------------------------------------------------------------------------
 
+    @_bounded
     def done(self, number: int) -> None:
         self.client().set(f"{self.prefix}r{number}/done/{self.me}", "1")
 

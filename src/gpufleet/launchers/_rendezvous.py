@@ -23,6 +23,7 @@ from gpufleet.rundir import RunDir
 
 LAST_CALL_S = 5  # after MIN machines met, how long more may join this round (elastic runs)
 JOIN_TIMEOUT_S = 600  # torchrun's: how long machines wait for each other
+STORE_TIMEOUT_S = 20  # each store operation (elastic's default, 60 s, holds a stopping agent)
 UNORDERED = 1 << 30  # the sort key of a machine given no node_rank: after those given one
 
 
@@ -35,7 +36,7 @@ def config(node: dict) -> dict[str, Any]:
         rdzv_backend="c10d",
         rdzv_endpoint=node["endpoint"],
         rdzv_configs={"is_host": False, "join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": LAST_CALL_S,
-                      "close_timeout": 10},
+                      "close_timeout": 10, "read_timeout": STORE_TIMEOUT_S},
         local_addr=node["addr"],
     )
 

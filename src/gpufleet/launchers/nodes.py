@@ -41,6 +41,7 @@ from gpufleet.watch.monitor import RunMonitor
 
 DEFAULT_PORT = 29400  # torchrun's for the c10d rendezvous
 WATCH_EVERY_S = 0.25
+AGENT_STOP_S = 10.0  # an agent stopped by the watch that has not ended by then is killed
 SAY_WAITING_AFTER_S = 10.0
 JOIN_GRACE_S = 10.0  # a round that started without this machine: it asks to join after this
 HANG_ANSWER_S = 20.0  # for the other machines' stacks after a hang (each takes a few seconds)
@@ -231,7 +232,7 @@ class NodeJob(LocalJob):
         self.members: dict[int, dict] = {}
         self.ended_by: Ended | None = None
         self._next_watch = 0.0
-        self._stopping = False
+        self._stopping: float | None = None  # when the watch stopped this machine's ranks
         self._answered = False  # this machine gave its stacks for a hang
 
     @property
@@ -309,9 +310,13 @@ class NodeJob(LocalJob):
     def poll(self) -> int | None:
         code = self.agent.poll()
         now = time.monotonic()
-        if code is None and not self._stopping and now >= self._next_watch:
+        if code is None and self._stopping is None and now >= self._next_watch:
             self._next_watch = now + WATCH_EVERY_S
             self._watch()
+        elif code is None and self._stopping is not None and now - self._stopping > AGENT_STOP_S:
+            # an agent stopping talks to the run's store, which may be gone with its machine
+            self.release()
+            code = self.agent.poll()
         return code
 
     def _watch(self) -> None:
@@ -327,9 +332,9 @@ class NodeJob(LocalJob):
                     ended = self.store.end(self.round, self._lost(silent[0]))
         except Exception as exc:  # the store is gone: its machine or its gpufleet was lost
             ended = self._store_lost(exc)
-        if ended is not None and ended.by != self.store.me:
+        if ended is not None:  # this machine's own word too: a machine it found silent
             self.ended_by = ended
-            self._stopping = True
+            self._stopping = time.monotonic()
             log.warning(f"{ended.where()}: {ended.summary}; stopping this machine's ranks")
             self.stop()
 
