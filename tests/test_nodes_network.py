@@ -221,39 +221,35 @@ def test_a_rank_that_fails_on_one_machine_stops_the_other_which_names_it(network
 
 
 def test_a_machine_that_dies_stops_the_other_which_says_it_was_lost(network, nodes):
-    h1, h2 = network.hosts
-    first, second = nodes(h1, 0, STEPS="1000", PAUSE="0.05"), nodes(h2, 1, STEPS="1000", PAUSE="0.05")
-    second.wait_for(r"step 10 ")
-    network.kill(h2)  # every process of machine 2: the machine died
-    killed = time.monotonic()
-    assert first.wait() == 1, first.text()
-    took = time.monotonic() - killed
-    print(f"machine 2 killed -> machine 1 ended in {took:.1f} s")
-    assert took < LOST_BOUND_S, first.text()
-    root = first.text().split("root cause: ", 1)[1].splitlines()[0]
-    assert root.startswith("rank 2: lost: no heartbeat") and f"(node 1 ({h2.ip}))" in root, first.text()
-    time.sleep(1)
-    assert not _left(network, h1), "processes left on machine 1"
+    first, _ = _lose_machine_2(network, nodes, network.kill, "killed")  # the machine died
+    assert not _left(network, network.hosts[0]), "processes left on machine 1"
 
 
 def test_a_machine_cut_off_the_network_is_named_lost_and_both_stop(network, nodes):
     """No connection error here (the cable is out): beats alone tell."""
-    h1, h2 = network.hosts
-    first, second = nodes(h1, 0, STEPS="1000", PAUSE="0.05"), nodes(h2, 1, STEPS="1000", PAUSE="0.05")
-    second.wait_for(r"step 10 ")
-    network.link_down(h2)
     try:
-        cut = time.monotonic()
-        assert first.wait() == 1, first.text()
-        took = time.monotonic() - cut
-        print(f"machine 2 cut off -> machine 1 ended in {took:.1f} s")
-        assert took < LOST_BOUND_S, first.text()
-        root = first.text().split("root cause: ", 1)[1].splitlines()[0]
-        assert root.startswith("rank 2: lost: no heartbeat") and f"(node 1 ({h2.ip}))" in root, first.text()
+        _, second = _lose_machine_2(network, nodes, network.link_down, "cut off")
         assert second.wait(60) == 1, second.text()  # it cannot reach the run's store: it stops too
         assert "cannot be reached" in second.text() or "lost" in second.text(), second.text()
     finally:
-        network.link_up(h2)
+        network.link_up(network.hosts[1])
+
+
+def _lose_machine_2(network, nodes, fault, what: str) -> tuple[Node, Node]:
+    """Machine 2 is lost (``fault`` on its host) while both train: machine 1 ends within
+    LOST_BOUND_S, naming machine 2's first rank as lost."""
+    h1, h2 = network.hosts
+    first, second = nodes(h1, 0, STEPS="1000", PAUSE="0.05"), nodes(h2, 1, STEPS="1000", PAUSE="0.05")
+    second.wait_for(r"step 10 ")
+    fault(h2)
+    since = time.monotonic()
+    assert first.wait() == 1, first.text()
+    took = time.monotonic() - since
+    print(f"machine 2 {what} -> machine 1 ended in {took:.1f} s")
+    assert took < LOST_BOUND_S, first.text()
+    root = first.text().split("root cause: ", 1)[1].splitlines()[0]
+    assert root.startswith("rank 2: lost: no heartbeat") and f"(node 1 ({h2.ip}))" in root, first.text()
+    return first, second
 
 
 @pytest.mark.timeout(480)
