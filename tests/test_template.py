@@ -49,8 +49,10 @@ def probe():
             except OSError:  # the listing's own descriptor
                 continue
             found[fd] = re.sub(r"\[\d+\]", "", target.replace(run_dir, "RUN"))
-        # rank 0's telemetry sampler opens its file in a thread of its own, sooner or later
-        return sorted(target for target in found.values() if target != "RUN/telemetry.jsonl")
+        # rank 0's telemetry sampler opens its file in a thread of its own, sooner or later, and
+        # reads /proc files (psutil) there: open for an instant, never inherited from anywhere
+        return sorted(target for target in found.values()
+                      if target != "RUN/telemetry.jsonl" and not target.startswith("/proc/"))
 
     umask = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Umask:"))
     return {
