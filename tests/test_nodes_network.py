@@ -50,7 +50,7 @@ for step in range(1, steps + 1):
     print(f"step {step} sum {t.item():g}", flush=True)
     if os.environ.get("FAIL_RANK") == str(rank) and step == int(os.environ.get("FAIL_STEP", "1")):
         raise ValueError(f"bad batch at step {step}")
-    if os.environ.get("HANG_RANK") == str(rank) and step == 5:
+    if os.environ.get("HANG_RANK") == str(rank) and step == int(os.environ.get("HANG_STEP", "5")):
         time.sleep(3600)
     time.sleep(float(os.environ.get("PAUSE", "0")))
 """
@@ -205,7 +205,8 @@ def test_two_machines_of_two_ranks_run_as_one_world_with_torchruns_variables(net
 def test_a_rank_that_fails_on_one_machine_stops_the_other_which_names_it(network, nodes):
     h1, h2 = network.hosts
     first = nodes(h1, 0, STEPS="200", PAUSE="0.05")
-    second = nodes(h2, 1, STEPS="200", PAUSE="0.05", FAIL_RANK="3", FAIL_STEP="20")
+    # rank 2 sleeps at that step: its machine's teardown stops it (SIGTERM) before it sees the failure
+    second = nodes(h2, 1, STEPS="200", PAUSE="0.05", FAIL_RANK="3", FAIL_STEP="20", HANG_RANK="2", HANG_STEP="20")
     assert second.wait() == 1
     failed_at = time.monotonic()
     assert first.wait() == 1, first.text()

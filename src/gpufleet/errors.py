@@ -75,6 +75,11 @@ class RankFailure:
         except ValueError:
             return f"signal {-self.exitcode}"
 
+    @property
+    def terminated(self) -> bool:
+        """Died of a SIGTERM: after another rank's failure, the teardown's (stopped, not failed)."""
+        return self.kind == "signal" and self.signal_name == "SIGTERM"
+
     def group_key(self) -> tuple:
         return (self.kind, self.summary, self.host)
 
@@ -217,8 +222,9 @@ def describe(failure: RankFailure) -> str:
 
 
 def order_failures(failures: list[RankFailure]) -> list[RankFailure]:
-    """Root cause first: real failures before communication errors, then by time, then rank."""
-    return sorted(failures, key=lambda f: (f.collateral, f.time, f.rank))
+    """Root cause first: real failures before communication errors, both before the ranks a
+    teardown's SIGTERM stopped (which report no time), then by time, then rank."""
+    return sorted(failures, key=lambda f: (f.terminated, f.collateral, f.time, f.rank))
 
 
 def group_failures(failures: list[RankFailure]) -> list[tuple[list[int], RankFailure]]:

@@ -242,7 +242,7 @@ def _death(launcher: RunDir, rank: int, report: dict, monitor: RunMonitor | None
 
 def _split_stopped(failures: list[RankFailure]) -> tuple[list[RankFailure], list[int]]:
     """Ranks that died of the teardown's SIGTERM after another failure were stopped, not failed."""
-    sigterm = [f for f in failures if f.kind == "signal" and f.signal_name == "SIGTERM"]
+    sigterm = [f for f in failures if f.terminated]
     if len(sigterm) == len(failures):
         return failures, []
     return [f for f in failures if f not in sigterm], [f.rank for f in sigterm]
