@@ -187,6 +187,28 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
 
 
 @pytest.mark.slow
+def test_a_remote_sweep_packs_its_trials_onto_the_clusters_gpus(cluster, runs_dir):
+    import io
+
+    import gpufleet
+
+    def trial(index):
+        import time
+
+        runtime.setup(timeout=30)
+        began = time.time()
+        time.sleep(1)
+        return index, runtime.get_global_rank(), began, time.time()
+
+    sweep = gpufleet.sweep(remote(trial, runs_dir, gpus=2), range(3), out=io.StringIO())
+    results = sweep.results()
+    assert [[(i, rank) for i, rank, *_ in ranks] for ranks in results] == [[(n, 0), (n, 1)] for n in range(3)]
+    windows = [ranks[0][2:] for ranks in results]  # when each trial's ranks held their GPUs
+    at_once = max(sum(start <= m < end for start, end in windows) for m, _ in windows)
+    assert at_once <= 2, f"4 GPUs hold two trials of 2 at once, never three: {windows}"
+
+
+@pytest.mark.slow
 def test_the_status_line_counts_the_ranks_alive_on_their_nodes(cluster, runs_dir, monkeypatch):
     screen = terminal_stdout(monkeypatch)
 

@@ -8,10 +8,10 @@ from gpufleet import data, runtime
 
 def test_top_level_names():
     assert sorted(gpufleet.__all__) == [
-        "ConfigError", "DistributedFunction", "GpufleetError", "PayloadError", "Pool",
+        "ConfigError", "DistributedFunction", "GPUType", "GpufleetError", "PayloadError", "Pool",
         "RankFailure", "Run", "RunCancelledError", "RunFailedError", "RunHangError",
-        "RunPreemptedError", "RunTimeoutError", "attach", "distributed", "log_metrics", "pool",
-        "runs", "runtime",
+        "RunPreemptedError", "RunTimeoutError", "Sweep", "Trial", "attach", "distributed",
+        "log_metrics", "pool", "runs", "runtime", "sweep",
     ]
 
 
@@ -21,14 +21,14 @@ def test_decorator_options():
     assert option_names() == ["gpus", "gpu_type", "remote", "timeout", "logs", "env", "runs_dir",
                               "max_retries", "no_retry", "hang_timeout", "grace_period",
                               "show_timings", "step_telemetry", "straggler_threshold",
-                              "collapse_lines", "tracking", "warm", "ray_address", "placement",
+                              "collapse_lines", "tracking", "join_mlflow_run", "warm", "ray_address", "placement",
                               "placement_timeout", "pip", "runtime_env", "name", "detach",
                               "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id"]
 
 
 def test_run_handle_and_command_line():
     assert [m for m in dir(gpufleet.Run) if not m.startswith("_")] == [
-        "cancel", "done", "id", "logs", "name", "path", "record", "result", "status", "wait",
+        "cancel", "done", "id", "logs", "name", "path", "progress", "record", "result", "status", "wait",
     ]
     from gpufleet.cli import _parser
 
@@ -40,8 +40,8 @@ def test_run_handle_and_command_line():
 def test_runtime_functions():
     assert sorted(runtime.__all__) == [
         "get_attempt", "get_global_rank", "get_local_rank", "get_local_world_size",
-        "get_node_rank", "get_world_size", "heartbeat", "is_main_process", "setup", "should_stop",
-        "step",
+        "get_node_rank", "get_replica_rank", "get_world_size", "heartbeat", "is_main_process",
+        "main_process_first", "setup", "should_stop", "step",
     ]
     assert list(inspect.signature(runtime.setup).parameters) == ["backend", "timeout"]
     assert list(inspect.signature(runtime.step).parameters) == ["samples", "tokens", "total"]
@@ -60,5 +60,5 @@ def test_strategy_and_checkpoint_names():
     assert strategies.NAMES == ("ddp", "fsdp", "zero1", "zero2", "zero3")
     assert checkpoint.__all__ == ["Checkpointer"]
     assert list(inspect.signature(checkpoint.Checkpointer).parameters) == [
-        "root", "keep", "async_save",
+        "root", "keep", "async_save", "every_steps", "every", "keep_best",
     ]

@@ -108,8 +108,8 @@ def test_bad_tracking_values_and_reduce_are_errors(runs_dir):
         log_metrics({"x": 1.0}, reduce="sum")
 
 
-def test_a_caller_inside_an_mlflow_run_has_the_ranks_log_into_it(runs_dir, monkeypatch):
-    @distributed(gpus=2, runs_dir=runs_dir)
+def test_a_caller_inside_an_mlflow_run_that_asks_to_join_it_has_the_ranks_log_into_it(runs_dir, monkeypatch):
+    @distributed(gpus=2, runs_dir=runs_dir, join_mlflow_run=True)
     def joins_callers_run():
         from gpufleet import log_metrics
 

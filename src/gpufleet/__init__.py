@@ -33,12 +33,15 @@ from gpufleet.errors import (
     RunTimeoutError,
 )
 from gpufleet.launchers.warm import Pool, pool
+from gpufleet.options import GPUType
 from gpufleet.runs.handles import Run, attach, runs
+from gpufleet.runs.sweep import Sweep, Trial, sweep
 from gpufleet.tracking import log_metrics
 
 __all__ = [
     "ConfigError",
     "DistributedFunction",
+    "GPUType",
     "GpufleetError",
     "PayloadError",
     "Pool",
@@ -49,10 +52,13 @@ __all__ = [
     "RunHangError",
     "RunPreemptedError",
     "RunTimeoutError",
+    "Sweep",
+    "Trial",
     "attach",
     "distributed",
     "log_metrics",
     "pool",
     "runs",
     "runtime",
+    "sweep",
 ]

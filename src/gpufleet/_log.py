@@ -12,8 +12,11 @@ message: it is the ranks' output, and stays on their streams.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
+from collections.abc import Iterator
 
 log = logging.getLogger("gpufleet")
 
@@ -39,3 +42,41 @@ if not log.handlers:  # a reload keeps the one handler
     log.addHandler(HANDLER)
     log.setLevel(logging.INFO)
     log.propagate = False
+
+
+class _Voices(logging.Filter):
+    """Messages of a thread that speaks for one part of a larger whole (a sweep's trial):
+    prefixed with its name, and only its warnings and errors (the whole says the rest)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        prefix = getattr(self.local, "prefix", None)
+        if prefix is None:
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        record.msg, record.args = f"{prefix}: {record.getMessage()}", None
+        return True
+
+
+_voices = _Voices()
+HANDLER.addFilter(_voices)
+
+
+@contextlib.contextmanager
+def speaking_for(prefix: str) -> Iterator[None]:
+    """In this thread, messages are ``prefix``'s: its warnings and errors, prefixed."""
+    before = getattr(_voices.local, "prefix", None)
+    _voices.local.prefix = prefix
+    try:
+        yield
+    finally:
+        _voices.local.prefix = before
+
+
+def quiet_here() -> bool:
+    """Whether this thread speaks for a part (its ranks' output and status line are not shown)."""
+    return getattr(_voices.local, "prefix", None) is not None

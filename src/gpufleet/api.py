@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, overload
@@ -23,7 +23,7 @@ from gpufleet.options import (
     Unchanged,
     options_help,
 )
-from gpufleet.runs import cluster, execution, handles
+from gpufleet.runs import cluster, execution, handles, sweep
 
 if TYPE_CHECKING:
     from gpufleet.runs.handles import Run
@@ -74,7 +74,7 @@ class DistributedFunction(Generic[R]):
         hang_timeout: float | None | Unchanged = KEEP, grace_period: float | Unchanged = KEEP,
         show_timings: bool | Unchanged = KEEP, step_telemetry: bool | Unchanged = KEEP,
         straggler_threshold: float | Unchanged = KEEP, collapse_lines: bool | Unchanged = KEEP,
-        tracking: bool | None | Unchanged = KEEP,
+        tracking: bool | None | Unchanged = KEEP, join_mlflow_run: bool | Unchanged = KEEP,
         warm: bool | Unchanged = KEEP, ray_address: str | None | Unchanged = KEEP,
         placement: str | Unchanged = KEEP, placement_timeout: float | Unchanged = KEEP,
         pip: bool | Sequence[str] | Unchanged = KEEP,
@@ -122,6 +122,18 @@ class DistributedFunction(Generic[R]):
         call = self._prepare(args, kwargs)
         return handles.submit(call)
 
+    def map(self, inputs: Iterable[Any], *, max_concurrent: int | None = None, fail_fast: bool = False,
+            return_exceptions: bool = False, metric: str | None = None, mode: str = "min",
+            name: str | None = None, warm: bool = True) -> list[list[R] | BaseException]:
+        """One run per input (a keyword dict, an argument tuple, or one argument), each on GPUs
+        of its own, ``max_concurrent`` at a time (default: as many as fit on this machine's
+        GPUs); every trial's values (a list per trial, in input order) once all ended. A failed
+        trial does not stop the others unless ``fail_fast``; its error is raised at the end,
+        or with ``return_exceptions=True`` stands in its place. ``gpufleet.sweep`` takes the
+        same arguments and returns at once, with the trials' run handles and a live view."""
+        return sweep.sweep(self, inputs, max_concurrent=max_concurrent, fail_fast=fail_fast, metric=metric,
+                           mode=mode, name=name, warm=warm).results(return_exceptions)
+
     def _prepare(self, args: tuple, kwargs: dict) -> execution.Call:
         return execution.Call.prepare(
             self._fn, args, kwargs, self._options, self.__name__, f"{self.__module__}.{self.__qualname__}",
@@ -168,7 +180,8 @@ def distributed(
     max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
     grace_period: float = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
     step_telemetry: bool = True, straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD,
-    collapse_lines: bool = True, tracking: bool | None = None, warm: bool = False, ray_address: str | None = None,
+    collapse_lines: bool = True, tracking: bool | None = None, join_mlflow_run: bool = False,
+    warm: bool = False, ray_address: str | None = None,
     placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
     pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
     name: str | None = None, detach: bool = False,
@@ -185,7 +198,8 @@ def distributed(
     max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
     grace_period: float = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
     step_telemetry: bool = True, straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD,
-    collapse_lines: bool = True, tracking: bool | None = None, warm: bool = False, ray_address: str | None = None,
+    collapse_lines: bool = True, tracking: bool | None = None, join_mlflow_run: bool = False,
+    warm: bool = False, ray_address: str | None = None,
     placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
     pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
     name: str | None = None, detach: bool = False,

@@ -55,6 +55,28 @@ class Unchanged(enum.Enum):
 KEEP = Unchanged.KEEP
 
 
+class GPUType(enum.StrEnum):
+    """GPU models ``gpu_type=`` names, for an editor to complete: ``GPUType.H100 == "H100"``.
+
+    A member is its string everywhere (``gpu_type=GPUType.H100`` and ``gpu_type="H100"`` are
+    one option, with the same checks and messages), and a plain string still names any model
+    not listed here. Each is matched as a whole word of the name the driver reports, ignoring
+    case: ``H100`` matches "NVIDIA H100 80GB HBM3", ``A10`` does not match "NVIDIA A100"."""
+
+    T4 = "T4"
+    V100 = "V100"
+    A10 = "A10"
+    A10G = "A10G"
+    A100 = "A100"
+    L4 = "L4"
+    L40S = "L40S"
+    H100 = "H100"
+    H200 = "H200"
+    B200 = "B200"
+    B300 = "B300"
+    GB200 = "GB200"
+
+
 class Surface(enum.Enum):
     """Where options come from, which decides how an error spells them."""
 
@@ -149,6 +171,7 @@ class RunOptions:
     straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD  # late by this share of a step
     collapse_lines: bool = True  # a line many ranks print alike is shown once
     tracking: bool | None = None  # MLflow: None = when installed
+    join_mlflow_run: bool = False  # inside the caller's MLflow run: log into it, not a child run
     warm: bool = False  # keep the ranks alive between calls (a shared gpufleet.pool)
     ray_address: str | None = None  # the Ray cluster of remote runs; None: RAY_ADDRESS or a local one
     placement: str = "pack"  # how a remote run's ranks spread over nodes (Ray's strategies)
@@ -323,6 +346,8 @@ OPTIONS = _options(
     Option("tracking", "MLflow: one run per call, shared by every rank (default: when MLflow is "
            "installed; on: require it; off: never; GPUFLEET_TRACKING=0 turns it off everywhere)", "switch", {"type": ["boolean", "null"]},
            config=True),
+    Option("join_mlflow_run", "a call made inside an active MLflow run logs into that run itself "
+           "(default: the call gets a child run of it)", "flag", {"type": "boolean"}),
     Option("warm", "keep the ranks alive after a call, so the next call ships only its payload "
            "(a gpufleet.pool)", "flag", {"type": "boolean"}, cli=False, file=False),
     Option("ray_address", "the Ray cluster of a remote run: HOST:6379, ray://HOST:10001, "
@@ -456,6 +481,7 @@ def _checked(options: Mapping[str, Any]) -> dict:
         "straggler_threshold": _check_straggler_threshold,
         "collapse_lines": _check_collapse_lines,
         "tracking": _check_tracking,
+        "join_mlflow_run": _check_join_mlflow_run,
         "warm": _check_warm,
         "ray_address": _check_ray_address,
         "placement": _check_placement,
@@ -604,9 +630,12 @@ def _check_rdzv_id(rdzv_id):
 
 
 def _check_gpu_type(gpu_type):
+    """A model name, or a GPUType (kept as its plain string: the same option, pickled and
+    recorded as text)."""
     if gpu_type is not None and (not isinstance(gpu_type, str) or not gpu_type.strip()):
-        raise ConfigError(f"{spell('gpu_type', gpu_type)} must be a GPU model name such as 'H100'")
-    return gpu_type.strip() if gpu_type else None
+        raise ConfigError(f"{spell('gpu_type', gpu_type)} must be a GPU model name such as 'H100' "
+                          "or a gpufleet.GPUType, e.g. GPUType.H100")
+    return str(gpu_type).strip() if gpu_type else None
 
 
 def _check_remote(remote):
@@ -703,6 +732,10 @@ def _check_tracking(tracking):
             "or none (track when MLflow is installed)"
         )
     return tracking
+
+
+def _check_join_mlflow_run(join):
+    return _bool("join_mlflow_run", join, "log into the caller's MLflow run, not a child run")
 
 
 def _check_warm(warm):

@@ -27,9 +27,11 @@ __all__ = [
     "get_world_size",
     "get_local_world_size",
     "get_node_rank",
+    "get_replica_rank",
     "is_main_process",
     "get_attempt",
     "setup",
+    "main_process_first",
     "heartbeat",
     "should_stop",
     "step",
@@ -38,6 +40,10 @@ __all__ = [
 HEARTBEAT_EVERY_S = 1.0  # at most one file touch per second, however often heartbeat() is called
 _last_heartbeat = 0.0
 _stop_group = None  # (default group it was made under, gloo group) of should_stop()
+_first_group = None  # the same, of main_process_first(): a gloo group with a long timeout
+# The others wait in main_process_first() as long as the first process takes (a download may
+# take hours); a first process that hangs is found by hang_timeout, like any hang.
+FIRST_WAIT = datetime.timedelta(days=7)
 _call_end_hooks: list[Callable[[], None]] = []  # see _at_call_end()
 
 
@@ -64,6 +70,43 @@ def get_local_world_size() -> int:
 def get_node_rank() -> int:
     """The index of this machine among the run's machines."""
     return _environ.node_rank()
+
+
+def get_replica_rank(shard_size: int = 1) -> int:
+    """The index of the model replica (copy) this process holds, or holds a part of:
+    ``global rank // shard_size``, from 0 to ``get_world_size() // shard_size - 1``.
+
+    ``shard_size`` is how many processes hold one copy of the model between them, in rank
+    order (ranks are ordered by node, then GPU):
+
+    - DDP, ZeRO-1/2 (every process a whole copy): 1, the default; the replica rank is the
+      global rank.
+    - FSDP or ZeRO-3 sharded over every process (gpufleet's ``"fsdp"``, ``"zero3"``):
+      ``get_world_size()``; the replica rank is 0 everywhere: there is one copy.
+    - HSDP, or tensor parallelism, within each node and replicated across nodes:
+      ``get_local_world_size()``; the replica rank is the node rank.
+
+    With several nodes nothing else changes: a DDP run of 2 nodes × 8 GPUs has replicas 0-15,
+    the same run sharded per node has replicas 0 and 1. Use it where something goes once per
+    copy of the model: the process that writes or evaluates a replica, or, with tensor
+    parallelism (whose processes of a replica share their input), the data shard a replica
+    reads. FSDP and HSDP are still data parallel inside a replica: each process reads its own
+    batches, so shard data by global rank there. In a direct call (outside a run) it is 0, as
+    for a world of one process.
+    """
+    world = get_world_size()
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        from gpufleet.errors import ConfigError
+
+        raise ConfigError(f"shard_size={shard_size!r} must be a whole number ≥ 1: how many "
+                          "processes hold one copy of the model (1 for DDP)")
+    if _environ.is_launched() and world % shard_size:
+        from gpufleet.errors import ConfigError
+
+        raise ConfigError(f"shard_size={shard_size} does not divide the run's {world} processes "
+                          "into replicas; pass a divisor of get_world_size(), e.g. "
+                          f"get_local_world_size() ({get_local_world_size()}) for one copy per node")
+    return get_global_rank() // shard_size
 
 
 def is_main_process() -> bool:
@@ -173,7 +216,90 @@ def _gloo_group(dist):
 
 def _own_groups() -> tuple:
     """The process groups gpufleet made for itself (kept alive by a warm pool)."""
-    return (_stop_group[1],) if _stop_group is not None else ()
+    return tuple(made[1] for made in (_stop_group, _first_group) if made is not None)
+
+
+@contextlib.contextmanager
+def main_process_first(local: bool = True):
+    """Run the ``with`` block on one process first, then on the others: download or
+    preprocess once, and let the others read what it wrote.
+
+        with runtime.main_process_first():
+            dataset = load_dataset("imdb")    # local rank 0 downloads; the others hit its cache
+
+    ``local=True``: local rank 0 of every node runs the block first (each node has its own
+    disk), then the node's other processes, once the first of every node is done;
+    ``local=False``: global rank 0 first (a shared file system), then every other process.
+    Every process leaves the block together. Call it on every process, after
+    ``runtime.setup()``, and call no collective inside the block (the others are not in it).
+
+    The others wait as long as the first takes (a long download does not time out; a first
+    process that hangs is found by ``hang_timeout`` like any hang). When the block raises on
+    a first process, every other process raises at once, without running the block: a
+    GpufleetError naming the rank and its error (reported as an echo of that rank's failure).
+    When it raises on another process, the rest raise the same way when they leave the block.
+    Outside a run (a direct call) it just runs the block; in a run before ``setup()`` it is
+    an error.
+    """
+    if not _environ.is_launched():
+        yield
+        return
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        from gpufleet.errors import GpufleetError
+
+        raise GpufleetError("runtime.main_process_first() needs the run's process group: call "
+                            "runtime.setup() first, on every process")
+    if dist.get_world_size() == 1:
+        yield
+        return
+    group = _waiting_group(dist)
+    first = (get_local_rank() if local else get_global_rank()) == 0
+    error = None
+    if first:
+        try:
+            yield
+        except Exception as exc:  # raised again below, once the others know of it
+            error = exc
+    _raise_on_failure(dist, group, error)  # the others wait here for the first ones
+    if not first:
+        try:
+            yield
+        except Exception as exc:
+            error = exc
+    _raise_on_failure(dist, group, None if first else error)  # every process leaves together
+
+
+def _raise_on_failure(dist, group, error: Exception | None) -> None:
+    """Tell every process whether the block failed here; raise if it failed anywhere: the
+    failing process its own exception, the others an error naming the first one to fail."""
+    failures = [None] * dist.get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(failures, mine, group=group)
+    if error is not None:
+        raise error
+    failed = next(((rank, text) for rank, text in enumerate(failures) if text is not None), None)
+    if failed is not None:
+        from gpufleet.errors import GpufleetError
+
+        rank, text = failed
+        echo = GpufleetError(f"rank {rank} failed inside runtime.main_process_first() ({text}), "
+                             f"so rank {get_global_rank()} stops too")
+        # A communication error as its (hidden) context: gpufleet's failure report then calls
+        # this rank's error an echo of the failing rank's, which stays the root cause.
+        echo.__context__ = getattr(dist, "DistError", RuntimeError)(str(echo))
+        echo.__suppress_context__ = True
+        raise echo
+
+
+def _waiting_group(dist):
+    """A gloo group for main_process_first(), with a timeout long enough for any download
+    (made once per default group, by every process at the same call)."""
+    global _first_group
+    default = dist.group.WORLD
+    if _first_group is None or _first_group[0] is not default:
+        _first_group = (default, dist.new_group(backend="gloo", timeout=FIRST_WAIT))
+    return _first_group[1]
 
 
 def setup(backend: str | None = None, *, timeout: float | None = None) -> "torch.device":

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from gpufleet import _environ, _process, runtime, steps, telemetry
-from gpufleet._log import log
+from gpufleet._log import log, quiet_here
 from gpufleet.errors import ConfigError
 from gpufleet.payload import write_private
 from gpufleet.rundir import RunDir, ensure_private_dir
@@ -76,24 +76,36 @@ class Tracking:
         self.system = SystemMetrics(client, run_id)
 
     @classmethod
-    def start(cls, name: str, params: dict[str, Any], joined: str | None, uri: str) -> "Tracking":
-        """Create the call's run in the store at ``uri`` (or join ``joined``, the caller's own
-        run) and start logging the nodes' system metrics into it."""
+    def start(cls, name: str, params: dict[str, Any], joined: str | None, uri: str,
+              parent: str | None = None) -> "Tracking":
+        """Create the call's run in the store at ``uri`` (a child of ``parent``, the run the
+        caller is in, in that run's experiment), or join ``joined``, the caller's own run; then
+        start logging the nodes' system metrics into it."""
         from mlflow import MlflowClient
 
-        artifacts = _prepare_store(uri)
         client = MlflowClient(uri)
         if joined:  # the caller's own run: log into it, leave its status to its owner
             experiment_id = client.get_run(joined).info.experiment_id
             tracking = cls(client, joined, experiment_id, uri, owned=False)
         else:
-            experiment_id = _experiment(client, artifacts)
-            run = client.create_run(experiment_id, run_name=name, tags={"gpufleet.function": name})
-            tracking = cls(client, run.info.run_id, experiment_id, uri, owned=True)
+            tracking = cls.create(client, uri, name, parent, {"gpufleet.function": name})
             for key, value in params.items():
                 client.log_param(tracking.run_id, key, value)
         tracking.system.start()
         return tracking
+
+    @classmethod
+    def create(cls, client: Any, uri: str, name: str, parent: str | None, tags: dict[str, str]) -> "Tracking":
+        """A new run gpufleet owns: in gpufleet's experiment, or as a child run of ``parent``
+        (MLflow's ``mlflow.parentRunId`` tag), in its parent's experiment."""
+        artifacts = _prepare_store(uri)
+        if parent:
+            experiment_id = client.get_run(parent).info.experiment_id
+            tags = {**tags, "mlflow.parentRunId": parent}
+        else:
+            experiment_id = _experiment(client, artifacts)
+        run = client.create_run(experiment_id, run_name=name, tags=tags)
+        return cls(client, run.info.run_id, experiment_id, uri, owned=True)
 
     def env(self) -> dict[str, str]:
         """What every rank needs to log into this run."""
@@ -290,17 +302,20 @@ class PendingTracking:
     the run folder's ``tracking.log`` then, else to the caller's stderr."""
 
     def __init__(self, setting: bool | None, name: str, params: dict[str, Any], folder: Path,
-                 outlives: bool = False, fork: Callable | None = None):
-        self.enabled = _wanted(setting)
+                 caller_run: str | None = None, join: bool = False, outlives: bool = False,
+                 fork: Callable | None = None):
+        self.enabled = wanted(setting)
         self._fork = fork  # (argv, env, stderr_fd, store) -> the tracker forked from a kept process, or None
-        self._call = {"name": name, "params": params, "joined": _callers_run() if self.enabled else None,
-                      "folder": str(folder)}
+        caller_run = caller_run if self.enabled else None  # the run the caller was in: nested, or joined
+        self._call = {"name": name, "params": params, "joined": caller_run if join else None,
+                      "parent": None if join else caller_run, "folder": str(folder)}
         self._folder = folder
         self._outlives = outlives
         self._tracker: Any = None  # subprocess.Popen, or what fork gave
         self._reader: threading.Thread | None = None
         self._answer: dict[str, Any] = {}
         self._warned = False
+        self._quiet = quiet_here()  # a sweep's trial: the sweep names its runs
 
     def begin(self) -> None:
         """Start the tracker (once per call), right after the first agent started."""
@@ -328,7 +343,7 @@ class PendingTracking:
             answer = json.loads(line) if line else {"error": "its process ended without an answer"}
         except ValueError:
             answer = {"error": f"its process answered {line[:200]!r}"}
-        if "run_id" in answer:
+        if "run_id" in answer and not self._quiet:
             log.info(f"MLflow run {answer['run_id']}{answer['where']}")
         self._answer = answer
 
@@ -390,8 +405,9 @@ class PendingTracking:
             self._warned = True
 
 
-def _callers_run() -> str | None:
-    """The run the caller is in: MLFLOW_RUN_ID, or MLflow's active run of this thread."""
+def callers_run() -> str | None:
+    """The MLflow run the caller is in: MLFLOW_RUN_ID (a tracked rank's), or MLflow's active
+    run of this thread; read when the call is made, so that a submitted run knows it too."""
     if os.environ.get("MLFLOW_RUN_ID"):
         return os.environ["MLFLOW_RUN_ID"]
     mlflow = sys.modules.get("mlflow")  # a caller inside mlflow.start_run() imported it
@@ -399,7 +415,7 @@ def _callers_run() -> str | None:
     return active.info.run_id if active is not None else None
 
 
-def _wanted(setting: bool | None) -> bool:
+def wanted(setting: bool | None) -> bool:
     """Whether a call with ``tracking=setting`` is tracked. GPUFLEET_TRACKING=0 is the
     operator's switch: no call is, ``tracking=True`` or not (a bad value is a ConfigError)."""
     if not _environ.tracking_allowed() or setting is False:

@@ -1,15 +1,20 @@
 """Checkpoints that resume exactly: model, optimizer, scheduler, step, every rank's RNG and any
 state the user adds (a data loader's position), on torch.distributed.checkpoint (DCP).
 
+    from datetime import timedelta
     from gpufleet.checkpoint import Checkpointer
 
-    ckpt = Checkpointer("runs/lm", keep=3)
+    ckpt = Checkpointer("runs/lm", keep=3, every_steps=100, every=timedelta(minutes=30))
     start = ckpt.restore(trainer, extra={"loader": loader})   # steps already done, 0 if none
     for step in range(start, total_steps):
         ...
-        if (step + 1) % 100 == 0:
+        if ckpt.due(step + 1):                                # every 100 steps or 30 minutes
             ckpt.save(step + 1, trainer, extra={"loader": loader})   # returns at once
     ckpt.wait()
+
+``keep_best=("val_loss", "min")`` keeps, beside the newest ``keep`` steps, the step whose
+``save(..., metrics={"val_loss": v})`` was lowest; ``restore(..., step="best")`` loads it.
+docs/checkpoints.md says when a save is due and which steps are kept.
 
 ``trainer`` is what ``gpufleet.strategies.prepare`` returned, or a model (raw DDP, FSDP2 or
 plain module) followed by its optimizer. FSDP state is saved sharded, each rank writing its
@@ -30,11 +35,17 @@ warning. Damaged means proven so: a commit record that does not parse, a file th
 from its digest, or a file the safe loaders refuse. Any other failure while restoring (a
 download or read that fails, a state that does not fit the step, memory running out) is an
 error on every rank even on a retry: it says nothing against the step, which stays as it is.
+
+This module is past 600 lines because the Checkpointer's save and restore share its state and
+its group; what stands alone lives beside it: when to save and which step is best
+(``_cadence``), what a checkpoint holds (``_state``), where steps live (``_store``), digests
+(``_digest``) and how ranks agree (``_collective``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import json
 import os
 import time
@@ -50,6 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gpufleet import runtime
 from gpufleet.checkpoint import _digest
+from gpufleet.checkpoint._cadence import Cadence, check_keep_best, check_metrics, pick_best
 from gpufleet.checkpoint._collective import agree, decided, gather, in_words
 from gpufleet.checkpoint._state import (
     DamagedCheckpoint,
@@ -71,9 +83,17 @@ class Checkpointer:
     """Saves and restores training state under ``root``, keeping the newest ``keep`` steps.
 
     ``async_save=False`` makes ``save`` return only once the step is published.
+
+    ``every_steps`` and ``every`` (a ``timedelta``, seconds, or ``"30m"``) set when ``due()``
+    says to save: every so many steps, or once so much time has passed since the last save
+    (whichever comes first). ``keep_best=(metric, "min" | "max")`` also keeps the committed
+    step with the best value of ``metric`` (``save(..., metrics={metric: value})``), which
+    pruning to the newest ``keep`` never deletes: ``best()`` names it.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True):
+    def __init__(self, root: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True,
+                 every_steps: int | None = None, every: datetime.timedelta | float | str | None = None,
+                 keep_best: tuple[str, str] | None = None):
         if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
             raise ConfigError(f"root={root!r} must be a folder path or an fsspec URL")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
@@ -81,6 +101,8 @@ class Checkpointer:
         self.store = Store(root)
         self.keep = keep
         self.async_save = async_save
+        self.cadence = Cadence(every_steps, every)
+        self.keep_best = check_keep_best(keep_best)
         self._pending: concurrent.futures.Future | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._group: Any = None
@@ -100,19 +122,54 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
+    def metrics(self, step: int) -> dict[str, float]:
+        """The metrics ``save(step, ..., metrics=...)`` recorded with a committed step ({} for
+        none, or a record that cannot be read: ``restore`` reports a damaged step)."""
+        try:
+            found = json.loads(self.store.record(step)).get("metrics")
+        except Exception:  # absent or damaged: it simply ranks nowhere; restore says why
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    def best(self) -> int | None:
+        """The committed step with the best value of ``keep_best``'s metric (the newer one on a
+        tie), or None when no step has it. ``restore(..., step="best")`` loads it."""
+        if self.keep_best is None:
+            raise ConfigError("best() needs keep_best=(metric, 'min' or 'max') on the "
+                              "Checkpointer, e.g. keep_best=('val_loss', 'min')")
+        return pick_best({step: self.metrics(step) for step in self.steps()}, *self.keep_best)
+
+    # -- when to save -------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether to save after ``step`` steps: ``step`` is a multiple of ``every_steps``, or
+        ``every`` has passed since the last save (since the first ``due()`` before any).
+
+        With ``every`` it is a collective: rank 0's clock decides and every rank gets its
+        answer, so that all of them save together or none does; call it on every rank at the
+        same step. The answer travels while the next step runs (so no rank waits for it): a
+        save by time comes one ``due()`` after rank 0's clock passed ``every``. With
+        ``every_steps`` alone it is a plain computation.
+        """
+        return self.cadence.due(step)
+
     # -- saving -------------------------------------------------------------------------------
 
     @runtime._working()
-    def save(self, step: int, target: Any, optimizer: Any = None, *, extra: dict | None = None) -> None:
+    def save(self, step: int, target: Any, optimizer: Any = None, *, extra: dict | None = None,
+             metrics: dict | None = None) -> None:
         """Save the state after ``step`` steps (collective).
 
         Returns once the state is copied to CPU memory (DDP, FSDP, raw models); ZeRO saves
         return once written. Committed steps after ``step`` are deleted when it is published:
         they belong to the run that was abandoned when an earlier step was restored.
+        ``metrics`` (names to numbers, rank 0's are recorded) rank the step for ``keep_best``.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigError(f"step={step!r} must be a whole number ≥ 0")
+        recorded = check_metrics(metrics)
         state, engine = _state_of(target, optimizer, extra)
+        self.cadence.restart()  # the time cadence counts from the last save
         self.wait()
         group = self._process_group()
 
@@ -132,6 +189,8 @@ class Checkpointer:
             "saved_at": time.time(),
             "torch": torch.__version__,
         }
+        if recorded:
+            record["metrics"] = recorded
         if engine is not None:
             engine.save_engine(str(folder / "deepspeed"))
         if self.async_save and engine is None:
@@ -150,6 +209,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the save in flight, then release the thread and the process group."""
         try:
+            self.cadence.restart()
             self.wait()
         finally:
             if self._executor is not None:
@@ -187,7 +247,8 @@ class Checkpointer:
             if _is_rank0():
                 self.store.drop_after(step)
                 self.store.publish(step, record)
-                self.store.prune(self.keep)
+                best = self.best() if self.keep_best and self.keep is not None else None
+                self.store.prune(self.keep, protect=frozenset(() if best is None else (best,)))
 
         if self.store.remote:
             agree(group, step, "uploading", upload)
@@ -237,9 +298,10 @@ class Checkpointer:
     @runtime._working()
     def restore(
         self, target: Any, optimizer: Any = None, *, extra: dict | None = None,
-        step: int | None = None, verify: bool = True,
+        step: int | str | None = None, verify: bool = True,
     ) -> int:
-        """Load ``step`` (default: the latest committed one) into the target, in place.
+        """Load ``step`` (default: the latest committed one; ``"best"``: ``best()``, as rank 0
+        finds it) into the target, in place.
 
         Returns the step loaded, which is the number of steps already done: 0 when there is
         no checkpoint yet, so that ``range(ckpt.restore(...), total)`` resumes or starts.
@@ -252,6 +314,7 @@ class Checkpointer:
         warning naming it, why, and where it now is. Any other failure (a download or read
         that fails, a state that does not fit) is an error on every rank, retry or not.
         """
+        _check_step_choice(step)
         state, engine = _state_of(target, optimizer, extra)
         _check_verify(verify)
         self.wait()
@@ -282,11 +345,20 @@ class Checkpointer:
             )
         return 0
 
-    def _candidates(self, step: int | None) -> list[int]:
+    def _candidates(self, step: int | str | None) -> list[int]:
         """Rank 0: the committed steps to try, in order."""
         steps = self.steps()
         if step is None:
             return steps[::-1]
+        if step == "best":
+            best = self.best()
+            if best is None:
+                metric = self.keep_best[0] if self.keep_best else ""
+                raise ConfigError(
+                    f"step='best' but no committed step under {self.store.url!r} has a value "
+                    f"of {metric!r}; pass metrics={{{metric!r}: value}} to save(), or restore "
+                    "without step= for the newest")
+            return [best]
         if step not in steps:
             raise ConfigError(f"step={step} has no committed checkpoint under "
                               f"{self.store.url!r}; committed steps: {steps or 'none'}")
@@ -554,7 +626,7 @@ class _Damage(GpufleetError):
         return f"checkpoint step folder {self.where!r} is damaged: {self.what}"
 
 
-def _advice(damage: _Damage, older: list[int], chosen: int | None) -> str:
+def _advice(damage: _Damage, older: list[int], chosen: int | str | None) -> str:
     """The error for a damaged step that is not skipped: what to do about it."""
     moved = f"{damage.where}.damaged"
     if chosen is not None:
@@ -587,6 +659,13 @@ def _reading(where: str, doing: str, work):
             "not known to be damaged, so a retry does not skip it: fix what failed and run "
             "again, or pass step= to restore() for another step"
         ) from cause
+
+
+def _check_step_choice(step: Any) -> None:
+    if step is None or step == "best" or (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        return
+    raise ConfigError(f"step={step!r} must be a committed step number, 'best' (the step keep_best "
+                      "ranks first), or None for the newest")
 
 
 def _check_verify(verify: Any) -> None:

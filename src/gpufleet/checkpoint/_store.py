@@ -215,14 +215,16 @@ class Store:
         for later in [s for s in self.steps() if s > step]:
             self._delete(later)
 
-    def prune(self, keep: int | None) -> None:
-        """Delete committed steps beyond the newest ``keep``, and abandoned partial saves."""
+    def prune(self, keep: int | None, protect: frozenset[int] = frozenset()) -> None:
+        """Delete committed steps beyond the newest ``keep`` but those in ``protect`` (the
+        best step), and abandoned partial saves."""
         for path in self.local.glob("step-*.partial") if self.local.is_dir() else ():
             shutil.rmtree(path, ignore_errors=True)
         if keep is None:
             return
         for step in self.steps()[:-keep]:
-            self._delete(step)
+            if step not in protect:
+                self._delete(step)
 
     def _delete(self, step: int) -> None:
         # The record goes first, so a half-deleted step no longer counts.

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import resource
-import runpy
 import select
 import signal
 import socket
@@ -285,9 +285,9 @@ def _become(request: dict, streams: list[int], sockets: list[socket.socket]) -> 
 
 
 def _run(request: dict) -> int:
-    if request["kind"] == "tracker":  # `python -m MODULE`, as its argv says
-        runpy.run_module(request["argv"][2], run_name="__main__", alter_sys=True)
-        return 0
+    if request["kind"] == "tracker":  # `python -m MODULE`, as its argv says: its main(), imported already
+        sys.argv = request["argv"][2:]
+        return importlib.import_module(request["argv"][2]).main()
     from gpufleet.launchers import _elastic_agent
 
     # multiprocessing hands the main module's name to the ranks, which import it as theirs

@@ -142,6 +142,7 @@ def _text(value: str | bytes) -> str:
 
 def place(gpus: int | tuple[int, int] | None, gpu_type: str | None) -> Placement:
     """Decide the processes of a local run, or raise ConfigError naming what was found."""
+    gpu_type = str(gpu_type) if gpu_type else None  # a GPUType: its plain name, in messages too
     if isinstance(gpus, tuple):  # options refuse it without remote; a run of this machine never sizes itself
         raise ConfigError(f"{spell('gpus', gpus)} is an elastic size, for a Ray cluster only "
                           f"(remote=True); on this machine give a number, e.g. {spell('gpus', gpus[1])}")
@@ -184,6 +185,7 @@ def _virtual(gpus: int | None, gpu_type: str | None, count: int) -> Placement:
 
 def check_gpu_type(gpu_type: str, names: tuple[str, ...]) -> None:
     """'H100' matches 'NVIDIA H100 80GB HBM3' but 'A10' does not match 'NVIDIA A100'."""
+    gpu_type = str(gpu_type)  # a GPUType: its plain name, in messages too
     pattern = re.compile(rf"(?<![A-Za-z0-9]){re.escape(gpu_type)}(?![A-Za-z0-9])", re.IGNORECASE)
     wrong = sorted({name for name in names if not pattern.search(name)})
     if wrong:

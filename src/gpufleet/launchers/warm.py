@@ -15,13 +15,14 @@ docs/design.md ("Warm pool") has the details and what state carries over between
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from gpufleet import _environ, _process
@@ -48,6 +49,19 @@ START_UP_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_FR_", "GLOO_")
 _active: list["Pool"] = []  # pools entered with `with`, innermost last
 _shared: dict[tuple, "Pool"] = {}  # the pools of warm=True functions, by placement
 _shared_lock = threading.Lock()
+_bound = threading.local()  # .pool: the pool of this thread's calls (a sweep's worker), first
+
+
+@contextlib.contextmanager
+def bound(pool: "Pool") -> Iterator["Pool"]:
+    """This thread's calls run on ``pool`` when their placement matches it (a sweep's worker,
+    whose trials run one after the other); the pool is closed at the end."""
+    _bound.pool = pool
+    try:
+        yield pool
+    finally:
+        _bound.pool = None
+        pool.close()
 
 
 class Pool:
@@ -375,7 +389,11 @@ def pool(
 
 def for_call(options: RunOptions, placement: Placement) -> Pool | None:
     """The pool a call runs on: the innermost ``with gpufleet.pool(...)`` that matches its
-    placement, else with ``warm=True`` the shared pool of that placement; None: start cold."""
+    placement (or the pool bound to this thread, first), else with ``warm=True`` the shared
+    pool of that placement; None: start cold."""
+    mine = getattr(_bound, "pool", None)
+    if mine is not None and mine._serves(placement):
+        return mine
     for candidate in reversed(_active):
         if candidate._serves(placement):
             return candidate

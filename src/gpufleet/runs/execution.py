@@ -24,7 +24,7 @@ from gpufleet.launchers.hardware import Placement
 from gpufleet.options import RunOptions, check_world
 from gpufleet.payload import dump_call, free_space_note, write_private
 from gpufleet.runs.records import Record
-from gpufleet.tracking import PendingTracking
+from gpufleet.tracking import PendingTracking, callers_run
 from gpufleet.tracking import status_of as tracking_status
 from gpufleet.watch.supervisor import Preemption, Supervisor
 
@@ -41,6 +41,7 @@ class Call:
     kind: str = "function"  # or "script", "command"
     params: dict[str, Any] = field(default_factory=dict)  # more MLflow params (a workload's)
     called_at: float = field(default_factory=time.time)
+    caller_run: str | None = None  # the MLflow run the caller was in: the call's run nests in it
 
     @classmethod
     def prepare(cls, fn: Callable, args: tuple, kwargs: dict, options: RunOptions, name: str,
@@ -62,6 +63,7 @@ class Call:
             placement = launchers.place(options)
             check_world(options, placement.nprocs)
             payload = dump_call(fn, args, kwargs)
+        more.setdefault("caller_run", callers_run())
         return cls(options.name or name, function, payload, placement, options, **more)
 
     def record(self, **fields) -> Record:
@@ -104,7 +106,8 @@ class _Execution:
         self.tracking = PendingTracking(self.opts.tracking, call.name, {
             "function": call.function, "gpus": call.placement.nprocs,
             "world_size": call.placement.nprocs, "device": call.placement.device, **call.params,
-        }, record.path, outlives=exits_after, fork=template.start_tracker)
+        }, record.path, call.caller_run, self.opts.join_mlflow_run, outlives=exits_after,
+            fork=template.start_tracker)
 
     def run(self) -> list:
         outcome: BaseException | None = None

@@ -30,6 +30,7 @@ from gpufleet.runs import records
 from gpufleet.runs.records import Record
 from gpufleet.watch.logs import LogFollower
 from gpufleet.watch.outcome import collect
+from gpufleet.watch.progress import ProgressFile
 
 POLL_SECONDS = 0.1
 CANCEL_ANSWER_SECONDS = 30.0  # for the supervisor to see the request and stop the ranks
@@ -117,6 +118,15 @@ class Run:
             for r in range(world):
                 _copy_log(attempt.log(r), out or text, f"[rank {r}] ")
         return text.getvalue() if out is None else None
+
+    def progress(self) -> tuple[int | None, dict[str, float]]:
+        """Rank 0's last step and metrics (``gpufleet.log_metrics``) in the current attempt,
+        as the run goes: ``(None, {})`` before the first. What a sweep ranks trials by, and
+        what prunes an Optuna trial."""
+        attempt = self._record.last_attempt()
+        if attempt is None:
+            return None, {}
+        return ProgressFile(attempt.progress).read()
 
     def cancel(self) -> str:
         """Stop every rank and wait for the run to end; its final status ("cancelled", or

@@ -3,7 +3,7 @@ imports MLflow and holds the call's MLflow run (``tracking.Tracking``), from its
 its end.
 
 Its caller (``tracking.PendingTracking``) writes JSON lines to its stdin: first the call
-(``name``, ``params``, ``joined``, ``uri``, ``folder``), then ``follow`` (an attempt whose
+(``name``, ``params``, ``joined`` or ``parent``, ``uri``, ``folder``), then ``follow`` (an attempt whose
 files go into the run), ``attempt`` (its number) and ``close`` (the call's ``status``, the text
 of its ``error``, and ``record`` when the caller did not learn the run's id and left its record
 to this process). It answers one
@@ -38,7 +38,7 @@ def main() -> int:
     messages: queue.Queue[dict | None] = queue.Queue()
     threading.Thread(target=_read, args=(messages,), name="gpufleet-tracker-in", daemon=True).start()
     try:
-        tracking = Tracking.start(call["name"], call["params"], call["joined"], call["uri"])
+        tracking = Tracking.start(call["name"], call["params"], call["joined"], call["uri"], call.get("parent"))
     except Exception as exc:  # the call goes on untracked; the caller says why
         _answer({"error": f"{type(exc).__name__}: {exc}"})
         return 1

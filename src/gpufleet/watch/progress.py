@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from gpufleet._log import quiet_here
 from gpufleet.errors import RunCancelledError, RunHangError, RunPreemptedError, RunTimeoutError
 from gpufleet.steps import Comparison, RankView
 
@@ -176,6 +177,8 @@ class ProgressFile:
 def open_display(out: TextIO | None = None) -> "PlainDisplay":
     """The display for a call whose lines go to ``out`` (default: ``sys.stdout`` at each
     write): a notebook's, a terminal's, or plain lines. Nothing is drawn yet."""
+    if quiet_here():  # a sweep's trial: its ranks' lines stay in their logs, the sweep shows its view
+        return SilentDisplay(out)
     if _in_notebook():
         return NotebookDisplay(out)
     stream = out or sys.stdout
@@ -230,6 +233,13 @@ class PlainDisplay:
 
     def close(self, status: Status | None) -> None:
         """The call ended: leave ``status`` as the final state (None: take it away)."""
+
+
+class SilentDisplay(PlainDisplay):
+    """Nothing shown: the ranks' lines are in their per-rank logs."""
+
+    def write(self, lines: list[str]) -> None:
+        pass
 
 
 class _Paced(PlainDisplay):
