@@ -38,17 +38,17 @@ from support import REPO
 SRC = REPO / "src"
 
 RANK_SIDE = ("gpufleet.rank", "gpufleet.runtime", "gpufleet.data", "gpufleet.strategies",
-             "gpufleet.checkpoint")
+             "gpufleet.checkpoint", "gpufleet.integrations.huggingface", "gpufleet.integrations.lightning")
 # Launcher parts that run in processes of their own, beside the ranks rather than the caller.
 PROCESS_SIDE_LAUNCHER_PARTS = ("gpufleet.launchers._elastic_agent", "gpufleet.launchers._template",
                                "gpufleet.launchers._ray_node", "gpufleet.launchers._template_server",
                                "gpufleet.launchers._template_wire", "gpufleet.launchers._rendezvous")
 # Every other module under gpufleet.launchers (the registry included) is caller side.
 CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.flags", "gpufleet.__main__", "gpufleet.runs",
-               "gpufleet.watch", "gpufleet.launchers")
+               "gpufleet.watch", "gpufleet.launchers", "gpufleet.integrations.optuna")
 SHARED = ("gpufleet", "gpufleet.errors", "gpufleet.options", "gpufleet.payload", "gpufleet.rundir",
           "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet.steps", "gpufleet._environ",
-          "gpufleet._process", "gpufleet._stacks", "gpufleet._version", "gpufleet._log")
+          "gpufleet._process", "gpufleet._stacks", "gpufleet._version", "gpufleet._log", "gpufleet.integrations")
 LAUNCHER_INTERFACE = "gpufleet.launchers.base"
 
 
