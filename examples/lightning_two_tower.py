@@ -3,7 +3,7 @@
     python examples/lightning_two_tower.py            # every GPU (2 CPU processes without GPUs)
     python examples/lightning_two_tower.py --gpus 2 --epochs 8
     python examples/lightning_two_tower.py --small    # CPU-sized: about 20 s on 2 CPU cores
-    mlflow ui --backend-store-uri sqlite:///lightning_two_tower/mlflow.db   # see the runs
+    gpufleet ui                                       # see the runs (MLflow's UI)
 
 A user tower and an item tower (each an embedding + MLP [128, 64]) map ids to 64-d vectors;
 their dot product is the logit that the user likes the item (BCE-with-logits loss). The data
@@ -11,9 +11,18 @@ are synthetic user-item interactions with a planted preference: every user and i
 hidden taste vector, and the label is 1 when the two agree (their dot product plus noise is
 above a threshold). The validation pairs are pairs never seen in training, so the validation
 AUROC (torchmetrics, gathered over every rank) only rises above 0.5 if the towers learn the
-tastes. ModelCheckpoint keeps the epoch with the best validation AUROC; metrics go to MLflow
-(sqlite:///OUT/mlflow.db, artifacts in OUT/mlartifacts) when mlflow is installed, otherwise
-to CSV files in OUT/csv. OUT is --out, by default ./lightning_two_tower.
+tastes. One ModelCheckpoint keeps the epoch with the best validation AUROC in OUT/checkpoints,
+another the latest epoch in OUT/checkpoints/latest (and its last.ckpt). With mlflow installed,
+Lightning's MLFlowLogger logs the
+metrics and hyperparameters into the MLflow run gpufleet creates for the call (experiment
+"two_tower"; `gpufleet ui` shows it); without it, into CSV files in OUT/csv. OUT is --out, by
+default ./lightning_two_tower.
+
+gpufleet's Lightning callback (GpufleetCallback) sends heartbeats, puts each epoch's metrics
+on the call's status line, and turns a SIGTERM to the script (a preemption) into a saved
+OUT/checkpoints/latest/last.ckpt and a clean stop. `fit(ckpt_path="last")` resumes from that
+file: run the same command again to go on where a stopped or failed run left off (a finished
+run has nothing left to train: use a new --out to train again).
 
 gpufleet starts the processes and sets torchrun's variables, so Lightning sees a torchelastic
 launch and does not start processes of its own: each rank checks that before it trains
@@ -24,7 +33,6 @@ the AUROC is well above chance. Needs `pip install lightning torchmetrics` (mlfl
 """
 
 import argparse
-import importlib.util
 import os
 import time
 import warnings
@@ -42,6 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import BinaryAUROC
 
 from gpufleet import distributed, runtime
+from gpufleet.integrations.lightning import GpufleetCallback
 
 # -- config ---------------------------------------------------------------------------------
 SIZES = {  # interactions are drawn at random, duplicates dropped; batch_size is per rank
@@ -57,7 +66,7 @@ VAL_FRACTION = 0.2
 LEARNING_RATE = 3e-3
 SEED = 0
 MIN_AUROC = {"full": 0.80, "small": 0.75}  # what the script checks; chance is 0.5
-EXPERIMENT = "two_tower"  # the MLflow experiment
+EXPERIMENT = "two_tower"  # the MLflow experiment of the call's run (MLFLOW_EXPERIMENT_NAME wins)
 # MLflow must not phone home from the ranks (they may have no network at all).
 NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 
@@ -137,27 +146,14 @@ class PrintEpoch(Callback):
                   f"val_auroc {m['val_auroc']:.4f}", flush=True)
 
 
-def prepare_mlflow(out: Path) -> str | None:
-    """Create the MLflow store and experiment once, here, before the ranks start: every rank
-    opens the store when it builds its logger, and two ranks creating the sqlite tables at the
-    same time collide. Returns the tracking URI, or None without mlflow (an optional extra)."""
-    if importlib.util.find_spec("mlflow") is None:
-        return None
-    os.environ.update(NO_TELEMETRY)  # this process; the ranks get it from @distributed(env=...)
-    import mlflow
-
-    uri = f"sqlite:///{out / 'mlflow.db'}"
-    client = mlflow.MlflowClient(uri)
-    if client.get_experiment_by_name(EXPERIMENT) is None:
-        # Without it, artifacts would go to ./mlruns of whatever folder the script runs in.
-        client.create_experiment(EXPERIMENT, artifact_location=(out / "mlartifacts").as_uri())
-    return uri
-
-
-def make_logger(out: Path, run_name: str, tracking_uri: str | None):
-    if tracking_uri is None:
-        return CSVLogger(out, name="csv", version=run_name)
-    return MLFlowLogger(experiment_name=EXPERIMENT, run_name=run_name, tracking_uri=tracking_uri)
+def make_logger(out: Path):
+    """Lightning's MLflow logger on the call's MLflow run, which gpufleet created and handed to
+    every rank (MLFLOW_TRACKING_URI, MLFLOW_RUN_ID): one run per call, whatever the number of
+    ranks or retries, beside gpufleet's own parameters, system metrics and logs. CSV files when
+    the call is not tracked (no mlflow installed, or tracking=False)."""
+    if not os.environ.get("MLFLOW_RUN_ID"):
+        return CSVLogger(out, name="csv")
+    return MLFlowLogger(tracking_uri=os.environ["MLFLOW_TRACKING_URI"], run_id=os.environ["MLFLOW_RUN_ID"])
 
 
 def check_joins_gpufleet(trainer: L.Trainer) -> None:
@@ -174,12 +170,13 @@ def check_joins_gpufleet(trainer: L.Trainer) -> None:
 
 
 @distributed(env=NO_TELEMETRY)
-def train(out: str, run_name: str, tracking_uri: str | None = None, size: str = "full",
-          epochs: int | None = None) -> dict:
+def train(out: str, size: str = "full", epochs: int | None = None) -> dict:
     cfg, out = SIZES[size], Path(out)
     epochs = epochs or cfg["epochs"]
     # num_workers=0 is right here (the data are tensors in memory); say so to Lightning once.
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    # A first run has no last.ckpt to resume from: that is no news (and save_last is set).
+    warnings.filterwarnings("ignore", message=".*there is no last checkpoint available.*")
     L.seed_everything(SEED, verbose=False)  # the same initial weights on every rank
     train_set, val_set = make_interactions(cfg["users"], cfg["items"], cfg["interactions"])
     # Plain DataLoaders: Lightning adds a DistributedSampler to each, since it knows the world.
@@ -188,22 +185,30 @@ def train(out: str, run_name: str, tracking_uri: str | None = None, size: str = 
                               drop_last=True, collate_fn=tuple)
     val_loader = DataLoader(val_set, batch_size=4 * cfg["batch_size"], collate_fn=tuple)
 
-    checkpoint = ModelCheckpoint(dirpath=out / "checkpoints" / run_name,
+    checkpoint = ModelCheckpoint(dirpath=out / "checkpoints",
                                  filename="two-tower-{epoch:02d}-{val_auroc:.4f}",
                                  monitor="val_auroc", mode="max", save_top_k=1)
+    # Every epoch, for resuming: latest/last.ckpt is where fit(ckpt_path="last") goes on from.
+    # (The best-AUROC one saves only when the AUROC improves, so its state may be older.)
+    latest = ModelCheckpoint(dirpath=out / "checkpoints" / "latest", save_last=True)
+    # Heartbeats, metrics to the call, save-and-stop on SIGTERM. A step takes a few ms: ask
+    # whether to stop (an all-reduce) every 20 steps, not every one.
+    fleet = GpufleetCallback(check_stop_every=20)
     trainer = L.Trainer(
         strategy="ddp",
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=runtime.get_local_world_size(),  # what gpufleet started here, no more
         num_nodes=1,
         max_epochs=epochs,
-        logger=make_logger(out, run_name, tracking_uri),
-        callbacks=[checkpoint, PrintEpoch()],
+        logger=make_logger(out),
+        callbacks=[checkpoint, latest, fleet, PrintEpoch()],
         enable_progress_bar=False,  # PrintEpoch instead
     )
     check_joins_gpufleet(trainer)  # before fit(), where Lightning would start processes
     # No runtime.setup(): fit() creates the process group itself, from torchrun's variables.
-    trainer.fit(TwoTower(cfg["users"], cfg["items"]), train_loader, val_loader)
+    # ckpt_path="last": go on from OUT/checkpoints/latest/last.ckpt when a stopped or failed
+    # run left one; from the start otherwise
+    trainer.fit(TwoTower(cfg["users"], cfg["items"]), train_loader, val_loader, ckpt_path="last")
 
     return {"rank": runtime.get_global_rank(), "lightning_rank": trainer.global_rank,
             "world_size": dist.get_world_size(),  # the process group Lightning trained in
@@ -212,9 +217,12 @@ def train(out: str, run_name: str, tracking_uri: str | None = None, size: str = 
             "spawned": len(getattr(trainer.strategy.launcher, "procs", [])),
             "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
             "logger": type(trainer.logger).__name__,
+            "mlflow_run": os.environ.get("MLFLOW_RUN_ID"),  # the call's, or None
+            "stopped": fleet.stopped,
             "best_checkpoint": checkpoint.best_model_path,
             "best_val_auroc": float(checkpoint.best_model_score),
-            "final_val_auroc": float(trainer.callback_metrics["val_auroc"]),
+            # no validation ran when a finished run was resumed: its best is the last word
+            "final_val_auroc": float(trainer.callback_metrics.get("val_auroc", checkpoint.best_model_score)),
             "train_pairs": len(train_set), "val_pairs": len(val_set)}
 
 
@@ -230,11 +238,10 @@ if __name__ == "__main__":
     size = "small" if args.small else "full"
     out = args.out.resolve()  # the ranks get an absolute path, whatever folder they run in
     out.mkdir(parents=True, exist_ok=True)
-    run_name = time.strftime("%Y%m%d-%H%M%S")  # chosen here, so every rank uses the same one
+    os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", EXPERIMENT)  # for the call's MLflow run
+    os.environ.update(NO_TELEMETRY)  # this process; the ranks get it from @distributed(env=...)
     started = time.monotonic()
-    tracking_uri = prepare_mlflow(out)
-    results = train.options(gpus=args.gpus).distributed(str(out), run_name, tracking_uri, size,
-                                                        args.epochs)
+    results = train.options(gpus=args.gpus).distributed(str(out), size, args.epochs)
     elapsed = time.monotonic() - started
 
     best = results[0]
@@ -242,6 +249,7 @@ if __name__ == "__main__":
           f"{best['train_pairs']} train / {best['val_pairs']} val pairs, {elapsed:.1f} s")
     print(f"best val AUROC {best['best_val_auroc']:.4f} (last epoch {best['final_val_auroc']:.4f})")
     print(f"best checkpoint {best['best_checkpoint']}")
+    print(f"MLflow run {best['mlflow_run']}")
     # One process per rank, all started by gpufleet: Lightning trained in their world, alone.
     assert [r["lightning_rank"] for r in results] == list(range(len(results))), results
     assert len({r["pid"] for r in results}) == len(results) == best["world_size"], results

@@ -150,6 +150,22 @@ def run_folders(runs_dir: Path) -> list[Path]:
     return found
 
 
+def ended_mlflow_run(run_folder: Path, bound_s: float = 45.0):
+    """The MLflow run a run's record links, once it has ended (the tracker may end it after
+    the caller has gone)."""
+    import json
+
+    import mlflow
+
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        run_id = json.loads((Path(run_folder) / "record.json").read_text()).get("mlflow_run_id")
+        if run_id and (found := mlflow.MlflowClient().get_run(run_id)).info.status != "RUNNING":
+            return found
+        time.sleep(0.2)
+    pytest.fail(f"the MLflow run of {run_folder} did not end within {bound_s:g} s")
+
+
 def line_of(path: str | Path, marker: str) -> int:
     """1-based number of the only line of `path` that ends with the comment `# marker`."""
     lines = [i for i, text in enumerate(Path(path).read_text().splitlines(), 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from support import ended_mlflow_run
 
 from gpufleet import ConfigError, RunFailedError, RunTimeoutError, distributed, runtime
 
@@ -175,20 +176,6 @@ def test_a_workload_file_sets_the_experiment_and_its_parameters(runs_dir, tmp_pa
     assert tracked.info.status == "FINISHED"
 
 
-def _ended(run_folder, bound_s: float = 45.0):
-    """The MLflow run a run's record links, once it has ended (the tracker may end it after
-    the caller has gone)."""
-    import json
-
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        run_id = json.loads((run_folder / "record.json").read_text()).get("mlflow_run_id")
-        if run_id and (found := mlflow.MlflowClient().get_run(run_id)).info.status != "RUNNING":
-            return found
-        time.sleep(0.2)
-    pytest.fail(f"the MLflow run of {run_folder} did not end within {bound_s:g} s")
-
-
 def test_gpufleet_run_imports_neither_torch_nor_mlflow_and_its_run_ends_after_it(runs_dir, tmp_path):
     import subprocess
     import sys
@@ -202,7 +189,7 @@ def test_gpufleet_run_imports_neither_torch_nor_mlflow_and_its_run_ends_after_it
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]", "the command imported them"
     (folder,) = [p for p in runs_dir.iterdir() if p.is_dir()]
-    tracked = _ended(folder)
+    tracked = ended_mlflow_run(folder)
     assert tracked.info.status == "FINISHED" and tracked.data.metrics["loss"] == 0.25
     assert tracked.info.run_id in done.stderr, "the run is named when the call starts"
 
@@ -227,7 +214,7 @@ def test_a_caller_killed_outright_leaves_its_run_killed_with_its_metrics(runs_di
         time.sleep(0.1)
     os.kill(run.record()["supervisor"]["pid"], signal.SIGKILL)
 
-    tracked = _ended(run.path)
+    tracked = ended_mlflow_run(run.path)
     assert tracked.info.status == "KILLED"
     assert tracked.data.metrics["loss"] == 3.0, "what was logged before the kill is in the run"
     run.wait(60)  # its ranks die with it (checked for leftovers by conftest)

@@ -49,7 +49,8 @@ def command_line(doc: str, *, model: str, output_dir: str, max_steps: int, tiny_
                         help="processes, one per GPU (default: every GPU; 2 CPU processes without)")
     parser.add_argument("--report-to", default=default_report_to(),
                         help="Trainer's report_to (default: mlflow when installed: it logs into "
-                             "the MLflow run gpufleet creates for the call)")
+                             "the MLflow run gpufleet creates for the call; with none, gpufleet's "
+                             "callback logs the metrics there)")
     parser.set_defaults(full_max_steps=max_steps, tiny_max_steps=tiny_steps,
                         full_learning_rate=learning_rate, tiny_learning_rate=tiny_learning_rate,
                         full_max_length=max_length, tiny_max_length=tiny_max_length)

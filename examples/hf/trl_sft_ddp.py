@@ -17,10 +17,13 @@ micro-batches per optimizer step.
 
 gpufleet starts one process per GPU and sets torchrun's variables, so the Trainer (through
 Accelerate) joins them as a DDP world without a launcher of its own. With MLflow installed the
-Trainer's metrics go into the MLflow run gpufleet creates for the call (`--report-to none` to
-stop that). Every rank returns its status, its first and final loss and the output folder;
-rank 0 saves the adapter there, and the script then loads it on top of the base model and
-generates a few tokens. `--tiny` builds a two-layer GPT-OSS mixture-of-experts model with a
+Trainer's metrics and arguments go into the MLflow run gpufleet creates for the call
+(`--report-to none`: the metrics only, through gpufleet's callback). gpufleet's Trainer
+callback also sends heartbeats, shows the loss on the status line, and turns a SIGTERM to the
+script into a checkpoint in the output folder and a clean stop; the same command run again
+resumes from it (`last_checkpoint`). Every rank returns its status, its first and final loss
+and the output folder; rank 0 saves the adapter there, and the script then loads it on top of
+the base model and generates a few tokens. `--tiny` builds a two-layer GPT-OSS mixture-of-experts model with a
 locally trained tokenizer and a generated chat data set (see tiny.py): no download, and the same
 code path. Needs `pip install -e ".[hf]"`.
 """
@@ -42,6 +45,8 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
+
+    from gpufleet.integrations.huggingface import GpufleetCallback, last_checkpoint
 
     begun = recipe.begin()
     options = recipe.model_options(model_path)
@@ -66,14 +71,18 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
         ddp_find_unused_parameters=False,
         max_length=max_length,
         logging_steps=1,
-        save_strategy="no",  # only the final adapter, saved below
+        save_strategy="no",  # the final adapter, saved below (and a checkpoint if stopped)
         report_to=report_to,
         **recipe.precision(),
     )
+    fleet = GpufleetCallback()  # heartbeats, metrics to the call, save-and-stop on SIGTERM
     trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
                          train_dataset=recipe.load_chat_dataset(dataset_path),
-                         peft_config=LoraConfig(**LORA))
-    trainer.train()
+                         peft_config=LoraConfig(**LORA), callbacks=[fleet])
+    # A run that was stopped resumes from its last checkpoint in output_dir (None: from the start).
+    trainer.train(resume_from_checkpoint=last_checkpoint(output_dir))
+    if fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
+        return recipe.rank_result(begun, trainer, status="stopped")
     trainer.save_model()  # rank 0 writes the adapter and the tokenizer
     return recipe.rank_result(begun, trainer)
 

@@ -20,6 +20,8 @@ At the end the partitions are gathered into one 16-bit copy of the weights, whic
 as an ordinary Hugging Face model; the script loads it and generates a few tokens. Every rank
 returns its status, first and final training loss, last evaluation loss and the output folder.
 With MLflow installed the Trainer's metrics go into the MLflow run gpufleet creates for the call.
+gpufleet's Trainer callback turns a SIGTERM into one more checkpoint and a clean stop, and a
+run started again (or retried) resumes from the last checkpoint in the output folder.
 `--tiny` builds a two-layer Llama with a locally trained tokenizer and a generated chat data set
 (see tiny.py). Needs `pip install -e ".[hf,deepspeed]"`. Without GPUs DeepSpeed runs on its CPU
 accelerator, whose first start compiles a small extension (~30 s, once; cached under
@@ -58,6 +60,8 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from gpufleet.integrations.huggingface import GpufleetCallback, last_checkpoint
+
     begun = recipe.begin()
     config = SFTConfig(  # before the model: from_pretrained then loads into ZeRO-3 partitions
         output_dir=output_dir,
@@ -85,12 +89,17 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     model = AutoModelForCausalLM.from_pretrained(model_path, **recipe.model_options(model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_set, eval_set = recipe.load_chat_dataset(dataset_path, EVAL_FRACTION)
+    fleet = GpufleetCallback()  # heartbeats, metrics to the call, save-and-stop on SIGTERM
     trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
-                         train_dataset=train_set, eval_dataset=eval_set)
-    trainer.train()
-    trainer.save_model()  # every rank gathers its partitions; rank 0 writes the whole model
+                         train_dataset=train_set, eval_dataset=eval_set, callbacks=[fleet])
+    # A run that was stopped or failed resumes from its last checkpoint in output_dir (None:
+    # from the start): the model's partitions, the optimizer's, the schedule and the data order.
+    trainer.train(resume_from_checkpoint=last_checkpoint(output_dir))
+    if not fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
+        trainer.save_model()  # every rank gathers its partitions; rank 0 writes the whole model
     evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
-    return recipe.rank_result(begun, trainer, eval_loss=evals[-1] if evals else None,
+    return recipe.rank_result(begun, trainer, status="stopped" if fleet.stopped else "ok",
+                              eval_loss=evals[-1] if evals else None,
                               zero_stage=trainer.accelerator.state.deepspeed_plugin.zero_stage,
                               # ZeRO-3 replaced every parameter by its partition of it
                               partitioned=all(hasattr(p, "ds_id") for p in model.parameters()))

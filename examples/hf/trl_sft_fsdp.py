@@ -19,7 +19,9 @@ LoRA with r=32 and alpha 64 goes on the attention projections and, through PEFT'
 expert, not linear layers), so the mixture of experts adapts as well. The adapter is gathered
 from the shards and saved by rank 0 (`FULL_STATE_DICT`); the script then loads it on top of the
 base model and generates a few tokens. With MLflow installed the Trainer's metrics go into the
-MLflow run gpufleet creates for the call. `--tiny` builds a two-layer GPT-OSS
+MLflow run gpufleet creates for the call. gpufleet's Trainer callback turns a SIGTERM into a
+checkpoint in the output folder (the sharded model's and optimizer's state) and a clean stop;
+the same command run again resumes from it. `--tiny` builds a two-layer GPT-OSS
 mixture-of-experts model with a locally trained tokenizer and a generated chat data set (see
 tiny.py). Needs `pip install -e ".[hf]"`.
 """
@@ -56,6 +58,8 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from gpufleet.integrations.huggingface import GpufleetCallback, last_checkpoint
+
     begun = recipe.begin()
     layer = decoder_layer_class(model_path)
     config = SFTConfig(  # first: it starts the process group that from_pretrained's loading needs
@@ -82,17 +86,22 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         max_length=max_length,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="no",  # the final adapter, saved below (and a checkpoint if stopped)
         report_to=report_to,
         **recipe.precision(),
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, **recipe.model_options(model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     recipe.fsdp_on_cpu()
+    fleet = GpufleetCallback()  # heartbeats, metrics to the call, save-and-stop on SIGTERM
     trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
                          train_dataset=recipe.load_chat_dataset(dataset_path),
-                         peft_config=LoraConfig(**LORA))
-    trainer.train()
+                         peft_config=LoraConfig(**LORA), callbacks=[fleet])
+    # A run that was stopped resumes from its last checkpoint in output_dir (None: from the start).
+    trainer.train(resume_from_checkpoint=last_checkpoint(output_dir))
+    if fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
+        return recipe.rank_result(begun, trainer, status="stopped", decoder_layer=layer,
+                                  sharded=recipe.sharded_parameters(trainer.model))
     trainer.save_model()  # every rank takes part in the gather; rank 0 writes
     return recipe.rank_result(begun, trainer, decoder_layer=layer,
                               sharded=recipe.sharded_parameters(trainer.model))

@@ -14,6 +14,8 @@ reentrant, which DDP does not support: DDP needs the standard non-reentrant chec
 parameters. Rank 0 saves the
 adapter; the script loads it on the base model and generates a few tokens. With MLflow
 installed the Trainer's metrics go into the MLflow run gpufleet creates for the call.
+gpufleet's Trainer callback turns a SIGTERM into a checkpoint in the output folder and a clean
+stop; the same command run again resumes from it.
 
 Needs `pip install unsloth` (which pins its own versions of transformers, TRL and datasets) and
 NVIDIA GPUs. On a machine without them Unsloth trains on the CPU with its fallback (slowly, and
@@ -39,6 +41,8 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
 
     from trl import SFTConfig, SFTTrainer
 
+    from gpufleet.integrations.huggingface import GpufleetCallback, last_checkpoint
+
     begun = recipe.begin()
     model, tokenizer = FastLanguageModel.from_pretrained(
         model_name=model_path,
@@ -63,13 +67,17 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
         ddp_find_unused_parameters=False,
         max_length=max_length,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="no",  # the final adapter, saved below (and a checkpoint if stopped)
         report_to=report_to,
         **recipe.precision(),
     )
+    fleet = GpufleetCallback()  # heartbeats, metrics to the call, save-and-stop on SIGTERM
     trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
-                         train_dataset=recipe.load_chat_dataset(dataset_path))
-    trainer.train()
+                         train_dataset=recipe.load_chat_dataset(dataset_path), callbacks=[fleet])
+    # A run that was stopped resumes from its last checkpoint in output_dir (None: from the start).
+    trainer.train(resume_from_checkpoint=last_checkpoint(output_dir))
+    if fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
+        return recipe.rank_result(begun, trainer, status="stopped")
     trainer.save_model()  # rank 0 writes the adapter and the tokenizer
     return recipe.rank_result(begun, trainer)
 

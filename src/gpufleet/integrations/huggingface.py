@@ -1,0 +1,173 @@
+"""Hugging Face Trainer (and TRL's trainers, which are Trainers) inside a gpufleet run.
+
+    from gpufleet.integrations.huggingface import GpufleetCallback, last_checkpoint
+
+    fleet = GpufleetCallback()
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[fleet])
+    trainer.train(resume_from_checkpoint=last_checkpoint(args.output_dir))
+    if not fleet.stopped:
+        trainer.save_model()
+
+In a rank of a gpufleet run the callback
+
+- sends a heartbeat every step, micro-batch and evaluation batch, and every second while the
+  Trainer saves a checkpoint, so that ``hang_timeout`` takes none of them for a hang;
+- counts each optimizer step for gpufleet's step telemetry (``runtime.step``: the status line's
+  ``step 120/500``, ETA, stragglers);
+- forwards what the Trainer logs (``on_log``: loss, learning rate, grad norm, evaluation
+  metrics) from rank 0, at the Trainer's global step, to ``gpufleet.log_metrics``: the call's
+  MLflow run and its status line. When the Trainer reports to MLflow itself
+  (``report_to="mlflow"``, which writes into the call's run: gpufleet hands every rank
+  ``MLFLOW_RUN_ID``), only the status line gets them, so that no value is logged twice;
+- asks ``runtime.should_stop()`` at every step's end, or every ``check_stop_every`` steps (a
+  SIGTERM to the caller: a preemption), and then has the Trainer save a checkpoint
+  (``checkpoint-N`` in ``output_dir``) and stop cleanly, within ``grace_period``; ``stopped``
+  tells the code after ``train()``.
+
+``last_checkpoint`` is the one line that makes ``train()`` resume: on a retry
+(``max_retries``) or the next call, from the newest complete ``checkpoint-N``.
+
+Outside a gpufleet run (a direct call, a plain script, torchrun) the callback does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+import gpufleet
+from gpufleet import _environ, runtime
+from gpufleet._log import log
+from gpufleet.errors import ConfigError
+from gpufleet.tracking import _progress
+
+__all__ = ["GpufleetCallback", "last_checkpoint"]
+
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the Trainer's folders: PREFIX_CHECKPOINT_DIR-step
+# Written last into a checkpoint folder, by rank 0, after the model, optimizer and RNG states:
+# a folder without it was cut short by a crash and cannot be resumed from.
+TRAINER_STATE = "trainer_state.json"
+
+
+def last_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest complete ``checkpoint-N`` folder in ``output_dir``, for
+    ``trainer.train(resume_from_checkpoint=...)``; None when there is none (a first run, or no
+    ``output_dir`` yet), which trains from the start.
+
+    Unlike ``resume_from_checkpoint=True`` it is no error on a first run, and it passes over a
+    checkpoint whose writing a crash cut short. Every rank must see the same folder (one
+    machine, or storage every node shares, as the Trainer itself requires). A finished run
+    resumes at its end: use a new ``output_dir`` to train again from the start.
+    """
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = []
+    for path in folder.iterdir():
+        number = CHECKPOINT.fullmatch(path.name)
+        if number and (path / TRAINER_STATE).is_file():
+            found.append((int(number[1]), path))
+    return str(max(found)[1]) if found else None
+
+
+class GpufleetCallback(TrainerCallback):
+    """Connects a Trainer's loop to the gpufleet run it trains in (see the module's docstring).
+    Pass it in ``callbacks=[...]``; after ``train()``, ``stopped`` is True when a stop request
+    ended training (a checkpoint was saved: skip the final save and return).
+
+    ``check_stop_every``: ask ``runtime.should_stop()`` every this many optimizer steps. Each
+    ask is one small all-reduce across the ranks (about 0.1-0.3 ms); with steps of a few
+    milliseconds, asking every 10 or 100 steps keeps that out of the step time.
+    """
+
+    def __init__(self, check_stop_every: int = 1) -> None:
+        _check_every(check_stop_every)
+        self.check_stop_every = check_stop_every
+        self.stopped = False
+        self._active = False  # inside a gpufleet run: set when training begins
+        self._progress_only = False  # the Trainer logs into the call's MLflow run itself
+        self._samples: int | None = None  # per optimizer step, on this rank
+        self._total: int | None = None  # optimizer steps this call will run
+        self._saving = contextlib.ExitStack()  # heartbeats while a checkpoint is written
+        self._beating = False  # ``_saving`` holds runtime._working()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stopped = False
+        self._active = _environ.run_dir() is not None
+        if not self._active:
+            return
+        self._progress_only = "mlflow" in (args.report_to or ()) and bool(os.environ.get("MLFLOW_RUN_ID"))
+        self._samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        self._total = max(state.max_steps - state.global_step, 0) or None
+        runtime.heartbeat()
+        if state.global_step and state.is_world_process_zero:
+            log.info(f"the Trainer resumed at step {state.global_step} of {state.max_steps}")
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self._active:
+            runtime.heartbeat()
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        if self._active:
+            runtime.heartbeat()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self._active:
+            return
+        runtime.heartbeat()
+        runtime.step(samples=self._samples, total=self._total)
+        # A collective, at the same step on every rank: they save and stop together.
+        if state.global_step % self.check_stop_every == 0 and runtime.should_stop():
+            self.stopped = True
+            control.should_save = True
+            control.should_training_stop = True
+            if state.is_world_process_zero:
+                log.warning(f"asked to stop: saving checkpoint-{state.global_step} in {args.output_dir}, "
+                            "then training stops")
+        if control.should_save and not self._beating:  # the Trainer saves after this hook
+            self._saving.enter_context(runtime._working())
+            self._beating = True
+
+    def on_save(self, args, state, control, **kwargs):
+        self._quiet()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._quiet()  # a save another callback called off: no on_save came
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not (self._active and state.is_world_process_zero and logs):
+            return
+        values = {k: float(v) for k, v in logs.items()
+                  if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+        if values:
+            _forward(values, state.global_step, self._progress_only)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._quiet()
+
+    def _quiet(self) -> None:
+        """End the heartbeats of a save: past it, silence counts again for hang_timeout."""
+        if self._beating:
+            self._beating = False
+            self._saving.close()
+
+
+def _check_every(every: object) -> None:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"check_stop_every={every!r} must be a whole number of steps ≥ 1 (1: every step)")
+
+
+def _forward(values: dict[str, Any], step: int, progress_only: bool) -> None:
+    """Rank 0's values to the call's MLflow run and status line, or to the status line only
+    when the framework already logs them into the call's run."""
+    if not progress_only:
+        gpufleet.log_metrics(values, step=step)
+        return
+    runtime.heartbeat()
+    _progress.note(step, values)

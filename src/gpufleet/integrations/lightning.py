@@ -1,0 +1,182 @@
+"""Lightning's Trainer inside a gpufleet run.
+
+    from gpufleet.integrations.lightning import GpufleetCallback
+
+    latest = ModelCheckpoint(dirpath="checkpoints", save_last=True)  # every epoch, no monitor
+    fleet = GpufleetCallback()
+    trainer = L.Trainer(strategy="ddp", callbacks=[latest, fleet])
+    trainer.fit(model, train_loader, val_loader, ckpt_path="last")
+
+In a rank of a gpufleet run the callback
+
+- sends a heartbeat every training and validation batch, so that ``hang_timeout`` takes no
+  step for a hang;
+- counts each optimizer step for gpufleet's step telemetry (``runtime.step``: the status line's
+  ``step 120/500``, ETA, stragglers);
+- forwards what the LightningModule logs for its loggers (``self.log``, ``trainer.logged_metrics``)
+  from rank 0, at the trainer's global step, to ``gpufleet.log_metrics``: the call's MLflow run
+  and its status line. A step's values go on the steps Lightning logs (``log_every_n_steps``),
+  epoch and validation values when their epoch ends; a value is sent when it changed since it
+  was last sent. When an ``MLFlowLogger`` of the trainer writes into the call's run itself
+  (``run_id=os.environ["MLFLOW_RUN_ID"]``), only the status line gets them, so that no value
+  is logged twice;
+- asks ``runtime.should_stop()`` after every optimizer step, or every ``check_stop_every`` (a
+  SIGTERM to the caller: a preemption), then saves a ``ModelCheckpoint``'s last checkpoint
+  (``last.ckpt`` in its ``dirpath``: the first one with ``save_last``, else the first) and
+  stops training cleanly, within ``grace_period``, as ``EarlyStopping`` would (Lightning runs
+  the epoch's validation first when the loop has one); ``stopped`` tells the code after
+  ``fit()``.
+
+Resuming is Lightning's own: ``fit(..., ckpt_path="last")`` loads the newest ``last*.ckpt`` of
+the ``ModelCheckpoint`` folders, and starts from scratch, with a warning, when there is none.
+A ``ModelCheckpoint(save_last=True)`` that saves at every epoch or every N steps (no
+``monitor``: one that monitors a metric saves, and so rewrites ``last.ckpt``, only when the
+metric improves) keeps it current, so that a retry after a crash (``max_retries``) resumes from
+the latest state, not only after a stop.
+
+Outside a gpufleet run (a direct call, a plain script, torchrun) the callback does nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import MLFlowLogger
+
+import gpufleet
+from gpufleet import _environ, runtime
+from gpufleet._log import log
+from gpufleet.errors import ConfigError
+from gpufleet.tracking import _progress
+
+__all__ = ["GpufleetCallback"]
+
+
+class GpufleetCallback(Callback):
+    """Connects a Lightning Trainer's loop to the gpufleet run it trains in (see the module's
+    docstring). After ``fit()``, ``stopped`` is True when a stop request ended training.
+
+    ``check_stop_every``: ask ``runtime.should_stop()`` every this many optimizer steps. Each
+    ask is one small all-reduce across the ranks (about 0.1-0.3 ms); with steps of a few
+    milliseconds, asking every 10 or 100 steps keeps that out of the step time.
+    """
+
+    def __init__(self, check_stop_every: int = 1) -> None:
+        if isinstance(check_stop_every, bool) or not isinstance(check_stop_every, int) or check_stop_every < 1:
+            raise ConfigError(f"check_stop_every={check_stop_every!r} must be a whole number of steps ≥ 1 "
+                              "(1: every step)")
+        self.check_stop_every = check_stop_every
+        self.stopped = False
+        self._active = False  # inside a gpufleet run: set when training starts
+        self._progress_only = False  # an MLFlowLogger writes into the call's run itself
+        self._total: int | None = None  # optimizer steps this call will run
+        self._step = 0  # the global step last seen: a new one is an optimizer step
+        self._sent: dict[str, float] = {}  # the values last forwarded, by name
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.stopped = False
+        self._active = _environ.run_dir() is not None
+        if not self._active:
+            return
+        self._progress_only = trainer.is_global_zero and _logs_into_the_call(trainer)
+        total = trainer.estimated_stepping_batches - trainer.global_step
+        self._total = int(total) if math.isfinite(total) and total > 0 else None
+        self._step = trainer.global_step
+        self._sent = {}
+        runtime.heartbeat()
+        if trainer.is_global_zero:
+            _check_checkpointing(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self._active:
+            return
+        runtime.heartbeat()
+        if trainer.global_step == self._step:  # a micro-batch of gradient accumulation
+            return
+        self._step = trainer.global_step
+        runtime.step(total=self._total)
+        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+            self._forward(trainer)
+        # a collective, at the same step on every rank
+        if trainer.global_step % self.check_stop_every == 0 and runtime.should_stop():
+            self._save_and_stop(trainer)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._active:
+            runtime.heartbeat()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self._active and not trainer.sanity_checking:
+            self._forward(trainer)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._active:
+            self._forward(trainer)
+
+    def _forward(self, trainer) -> None:
+        """The logged values that changed since they were last sent, from rank 0. Every rank
+        reads them: computing an epoch's value may be a collective (``sync_dist``)."""
+        logged = trainer.logged_metrics
+        if not trainer.is_global_zero:
+            return
+        values = {name: float(value) for name, value in logged.items() if _is_scalar(value)}
+        changed = {name: value for name, value in values.items() if self._sent.get(name) != value}
+        if not changed:
+            return
+        self._sent.update(changed)
+        if self._progress_only:
+            runtime.heartbeat()
+            _progress.note(trainer.global_step, changed)
+        else:
+            gpufleet.log_metrics(changed, step=trainer.global_step)
+
+    def _save_and_stop(self, trainer) -> None:
+        """Save the last checkpoint (every rank takes part) and end training after this step."""
+        self.stopped = True
+        trainer.should_stop = True
+        checkpoint = _keeper_of_last(trainer)
+        if checkpoint is None:
+            if trainer.is_global_zero:
+                log.warning("asked to stop: training stops, without a checkpoint (the trainer has "
+                            "no ModelCheckpoint)")
+            return
+        candidates = {"epoch": torch.tensor(trainer.current_epoch), "step": torch.tensor(trainer.global_step)}
+        path = checkpoint.format_checkpoint_name(candidates, checkpoint.CHECKPOINT_NAME_LAST)
+        if trainer.is_global_zero:
+            log.warning(f"asked to stop: saving {path} at step {trainer.global_step}, then training stops")
+            if os.path.islink(path):  # save_last="link": replace the link, not the file it names
+                os.unlink(path)
+        checkpoint.last_model_path = path  # its last checkpoint, in the state saved, and after
+        with runtime._working():
+            trainer.save_checkpoint(path)
+
+
+def _logs_into_the_call(trainer) -> bool:
+    """Whether one of the trainer's loggers is an MLFlowLogger on the call's MLflow run."""
+    run_id = os.environ.get("MLFLOW_RUN_ID")
+    return bool(run_id) and any(isinstance(logger, MLFlowLogger) and logger.run_id == run_id
+                                for logger in trainer.loggers)
+
+
+def _check_checkpointing(trainer) -> None:
+    checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)]
+    if checkpoints and not any(c.save_last for c in checkpoints):
+        log.warning("no ModelCheckpoint(save_last=True): only a stop request writes the last.ckpt "
+                    "that fit(ckpt_path='last') resumes from, so a retry after a crash starts over")
+
+
+def _keeper_of_last(trainer) -> ModelCheckpoint | None:
+    """The ModelCheckpoint whose last.ckpt a stop writes: the first with save_last, else the first."""
+    checkpoints = [c for c in trainer.checkpoint_callbacks
+                   if isinstance(c, ModelCheckpoint) and c.dirpath is not None]
+    return next((c for c in checkpoints if c.save_last), checkpoints[0] if checkpoints else None)
+
+
+def _is_scalar(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
