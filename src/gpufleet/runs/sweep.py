@@ -39,6 +39,7 @@ QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded"
 ENDED = (SUCCEEDED, FAILED, CANCELLED)
 SUMMARY_EVERY_S = 30.0  # a line on the running trials' metrics, between the lines of changes
 WAIT_POLL_S = 0.2
+REMOTE_AT_ONCE = 16  # a remote sweep's default max_concurrent: trials waiting on the cluster at once
 
 
 @dataclass
@@ -282,8 +283,8 @@ def sweep(fn: "DistributedFunction", inputs: Iterable[Any], *, max_concurrent: i
       inputs          keyword dicts (``{"lr": 1e-3}``), argument tuples (``(1e-3, 64)``), or
                       single values (one positional argument each)
       max_concurrent  trials at once (default: as many as fit: this machine's GPUs divided by
-                      each trial's gpus, 1 without GPUs; with remote=True, every trial, placed
-                      by the cluster as its GPUs free up)
+                      each trial's gpus, 1 without GPUs; with remote=True, up to 16, placed by
+                      the cluster as its GPUs free up)
       fail_fast       the first failed trial cancels the others (default: they go on)
       metric, mode    the metric (``gpufleet.log_metrics``, rank 0's last value) that ranks the
                       trials: ``best()``, the view's "best so far", the MLflow tag; "min" or "max"
@@ -310,8 +311,8 @@ def _concurrency(given: int | None, fn: "DistributedFunction", placement: hardwa
         if isinstance(given, bool) or not isinstance(given, int) or given < 1:
             raise ConfigError(f"max_concurrent={given!r} must be a whole number of trials at once, 1 or more")
         return min(given, trials)
-    if fn.run_options.remote:
-        return trials
+    if fn.run_options.remote:  # the cluster's placement groups pack them; each waits for its GPUs
+        return min(trials, REMOTE_AT_ONCE)
     slots = placement.virtual or (hardware.visible_gpu_count() if placement.device == "cuda" else 0)
     return max(1, min(trials, slots // placement.nprocs))
 
