@@ -39,7 +39,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+try:
+    from transformers import TrainerCallback
+except ImportError as exc:  # an optional extra: say how to get it
+    raise ImportError("gpufleet.integrations.huggingface needs Transformers: pip install 'gpufleet[hf]'") from exc
 
 import gpufleet
 from gpufleet import _environ, runtime

@@ -44,8 +44,12 @@ import numbers
 import os
 
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import MLFlowLogger
+
+try:
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.loggers import MLFlowLogger
+except ImportError as exc:  # an optional extra: say how to get it
+    raise ImportError("gpufleet.integrations.lightning needs Lightning: pip install lightning") from exc
 
 import gpufleet
 from gpufleet import _environ, runtime
