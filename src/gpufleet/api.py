@@ -134,9 +134,10 @@ class DistributedFunction(Generic[R]):
         return sweep.sweep(self, inputs, max_concurrent=max_concurrent, fail_fast=fail_fast, metric=metric,
                            mode=mode, name=name, warm=warm).results(return_exceptions)
 
-    def _prepare(self, args: tuple, kwargs: dict) -> execution.Call:
+    def _prepare(self, args: tuple, kwargs: dict, **more: Any) -> execution.Call:
+        """The call, checked; ``more``: ``Call`` fields such as a sweep's MLflow parent and params."""
         return execution.Call.prepare(
-            self._fn, args, kwargs, self._options, self.__name__, f"{self.__module__}.{self.__qualname__}",
+            self._fn, args, kwargs, self._options, self.__name__, f"{self.__module__}.{self.__qualname__}", **more,
         )
 
     def _started(self, attempt: Path) -> None:

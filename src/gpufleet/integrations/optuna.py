@@ -32,6 +32,7 @@ from gpufleet.errors import ConfigError, GpufleetError, RunFailedError
 from gpufleet.options import _seconds
 from gpufleet.runs import records
 from gpufleet.runs.handles import Run
+from gpufleet.watch.progress import number
 
 try:
     import optuna
@@ -204,7 +205,7 @@ class _Loop:
         frozen = self.study.tell(entry.trial, state=TrialState.PRUNED)
         value = entry.last.get(self.metrics[0])
         log.info(f"trial {entry.trial.number} pruned at step {entry.reported} "
-                 f"({self.metrics[0]} {_number(value)}); run {entry.run.id} {status}")
+                 f"({self.metrics[0]} {number(value)}); run {entry.run.id} {status}")
         self._after(frozen)
 
     def _values(self, entry: _Running) -> float | list[float]:
@@ -257,14 +258,14 @@ class _Loop:
         names = self.metrics if self.objective is None else ()
         shown = values if isinstance(values, list) else [values]
         if len(names) == len(shown):
-            return ", ".join(f"{n} {_number(v)}" for n, v in zip(names, shown))
-        return "value " + ", ".join(_number(v) for v in shown)
+            return ", ".join(f"{n} {number(v)}" for n, v in zip(names, shown))
+        return "value " + ", ".join(number(v) for v in shown)
 
     def _best(self) -> str:
         if len(self.study.directions) != 1:
             return ""
         best = self.study.best_trial  # this trial at least is complete
-        return f"; best is trial {best.number} ({_number(best.value)})"
+        return f"; best is trial {best.number} ({number(best.value)})"
 
 
 @contextmanager
@@ -438,9 +439,4 @@ def _why_stopped(cause: BaseException) -> str:
 
 
 def _shown(params: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={_number(v)}" for k, v in params.items()) or "no searched parameters"
-
-
-def _number(value: Any) -> str:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return f"{value:.4g}" if is_number else str(value)
+    return ", ".join(f"{k}={number(v)}" for k, v in params.items()) or "no searched parameters"

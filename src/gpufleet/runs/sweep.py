@@ -31,6 +31,7 @@ from gpufleet.launchers import hardware, warm
 from gpufleet.payload import write_private
 from gpufleet.runs import execution
 from gpufleet.runs.handles import Run
+from gpufleet.watch.progress import number
 
 if TYPE_CHECKING:
     from gpufleet.api import DistributedFunction
@@ -220,10 +221,8 @@ class Sweep:
         fn = self._fn.options(name=f"{self.name}-{trial.index}")
         try:
             with speaking_for(f"trial {trial.index} of {self.name!r}"):
-                call = execution.Call.prepare(fn._fn, trial.args, trial.kwargs, fn.run_options, fn.__name__,
-                                              f"{fn.__module__}.{fn.__qualname__}",
-                                              caller_run=self._parent.run_id or self._caller_run,
-                                              params={"sweep": self.name, "trial": trial.index, **trial.params()})
+                call = fn._prepare(trial.args, trial.kwargs, caller_run=self._parent.run_id or self._caller_run,
+                                   params={"sweep": self.name, "trial": trial.index, **trial.params()})
                 record = call.record(detached=False)
                 record.supervised_here()
                 trial.run = Run(record)
@@ -349,7 +348,7 @@ class _View:
         best = sweep.best() if metric else None
         if metric and best is not None and (self.best is None or self.best[0] != best.index):
             self.best = (best.index, best.metrics[metric])
-            lines.append(f"best so far: trial {best.index} ({best.describe()}), {metric}={_number(self.best[1])}")
+            lines.append(f"best so far: trial {best.index} ({best.describe()}), {metric}={number(self.best[1])}")
         if time.monotonic() >= self.summary_at:
             self.summary_at = time.monotonic() + SUMMARY_EVERY_S
             lines += [f"  trial {t.index}: {_metrics(t.metrics, sweep.metric)}" for t in sweep.trials
@@ -380,11 +379,7 @@ class _View:
 
 def _metrics(metrics: dict[str, float], first: str | None) -> str:
     names = sorted(metrics, key=lambda k: (k != first, k))[:4]
-    return ", ".join(f"{k}={_number(metrics[k])}" for k in names)
-
-
-def _number(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return ", ".join(f"{k}={number(metrics[k])}" for k in names)
 
 
 class _ParentRun:

@@ -77,7 +77,7 @@ def status_line(status: Status) -> str:
     if status.step is not None and not counted:
         parts.append(f"step {status.step}")
     if status.metrics:
-        parts.append(" ".join(f"{k} {_number(v)}" for k, v in status.metrics.items()))
+        parts.append(" ".join(f"{k} {number(v)}" for k, v in status.metrics.items()))
     parts.extend(steps_parts(status.steps, running=status.outcome is None, with_step=counted))
     if status.gpus:
         parts.append(status.gpus)
@@ -147,7 +147,8 @@ def clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _number(value) -> str:
+def number(value) -> str:
+    """A metric as the status line, a sweep's view and an Optuna study's lines show it."""
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     return f"{value:.4g}" if is_number else str(value)
 
