@@ -48,10 +48,15 @@ def is_template(proc: psutil.Process) -> bool:
     """Whether ``proc`` is a kept template (the process runs are forked from), not one of the
     agents and ranks forked from it, whose command lines read the same."""
     try:
+        if not _runs_template(proc):
+            return False
         parent = proc.parent()
-        return _runs_template(proc) and (parent is None or not _runs_template(parent))
     except psutil.Error:
         return False
+    try:
+        return parent is None or not _runs_template(parent)
+    except psutil.Error:  # a parent that just ended (a zombie, whose command line can't be read)
+        return True  # is not a template: a template outlives what it forks
 
 
 def _runs_template(proc: psutil.Process) -> bool:
