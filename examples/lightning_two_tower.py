@@ -169,8 +169,10 @@ def check_joins_gpufleet(trainer: L.Trainer) -> None:
                            f"gpufleet's {ours[0]} of {ours[1]}")
 
 
-@distributed(env=NO_TELEMETRY)
-def train(out: str, size: str = "full", epochs: int | None = None) -> dict:
+def fit(out: str, size: str = "full", epochs: int | None = None) -> tuple[TwoTower, dict]:
+    """The training on this rank, inside a `@distributed` function: the trained model (the
+    last epoch's) and what this rank reports. train() below returns the report;
+    notebooks/lightning_two_tower.ipynb also logs the best epoch's model to MLflow."""
     cfg, out = SIZES[size], Path(out)
     epochs = epochs or cfg["epochs"]
     # num_workers=0 is right here (the data are tensors in memory); say so to Lightning once.
@@ -208,22 +210,29 @@ def train(out: str, size: str = "full", epochs: int | None = None) -> dict:
     # No runtime.setup(): fit() creates the process group itself, from torchrun's variables.
     # ckpt_path="last": go on from OUT/checkpoints/latest/last.ckpt when a stopped or failed
     # run left one; from the start otherwise
-    trainer.fit(TwoTower(cfg["users"], cfg["items"]), train_loader, val_loader, ckpt_path="last")
+    model = TwoTower(cfg["users"], cfg["items"])
+    trainer.fit(model, train_loader, val_loader, ckpt_path="last")
 
-    return {"rank": runtime.get_global_rank(), "lightning_rank": trainer.global_rank,
-            "world_size": dist.get_world_size(),  # the process group Lightning trained in
-            "pid": os.getpid(),
-            # the processes Lightning's launcher started, had it started any
-            "spawned": len(getattr(trainer.strategy.launcher, "procs", [])),
-            "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
-            "logger": type(trainer.logger).__name__,
-            "mlflow_run": os.environ.get("MLFLOW_RUN_ID"),  # the call's, or None
-            "stopped": fleet.stopped,
-            "best_checkpoint": checkpoint.best_model_path,
-            "best_val_auroc": float(checkpoint.best_model_score),
-            # no validation ran when a finished run was resumed: its best is the last word
-            "final_val_auroc": float(trainer.callback_metrics.get("val_auroc", checkpoint.best_model_score)),
-            "train_pairs": len(train_set), "val_pairs": len(val_set)}
+    report = {"rank": runtime.get_global_rank(), "lightning_rank": trainer.global_rank,
+              "world_size": dist.get_world_size(),  # the process group Lightning trained in
+              "pid": os.getpid(),
+              # the processes Lightning's launcher started, had it started any
+              "spawned": len(getattr(trainer.strategy.launcher, "procs", [])),
+              "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+              "logger": type(trainer.logger).__name__,
+              "mlflow_run": os.environ.get("MLFLOW_RUN_ID"),  # the call's, or None
+              "stopped": fleet.stopped,
+              "best_checkpoint": checkpoint.best_model_path,
+              "best_val_auroc": float(checkpoint.best_model_score),
+              # no validation ran when a finished run was resumed: its best is the last word
+              "final_val_auroc": float(trainer.callback_metrics.get("val_auroc", checkpoint.best_model_score)),
+              "train_pairs": len(train_set), "val_pairs": len(val_set)}
+    return model, report
+
+
+@distributed(env=NO_TELEMETRY)
+def train(out: str, size: str = "full", epochs: int | None = None) -> dict:
+    return fit(out, size, epochs)[1]
 
 
 if __name__ == "__main__":

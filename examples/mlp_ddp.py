@@ -45,8 +45,10 @@ def make_model() -> nn.Module:
     )
 
 
-@distributed
-def train(epochs: int = 5, samples: int = SAMPLES) -> dict:
+def fit(epochs: int = 5, samples: int = SAMPLES) -> tuple[nn.Module, dict]:
+    """The training on this rank, inside a `@distributed` function: the trained model (as DDP
+    holds it, the same on every rank) and this rank's losses. train() below returns the losses;
+    notebooks/mlp_ddp.ipynb also logs the model to MLflow."""
     device = runtime.setup()
     torch.manual_seed(SEED)  # the same initial weights everywhere (DDP also broadcasts them)
     dataset = make_dataset(samples)
@@ -74,8 +76,13 @@ def train(epochs: int = 5, samples: int = SAMPLES) -> dict:
         if runtime.is_main_process():
             print(f"epoch {epoch + 1}/{epochs}  loss {(total[0] / total[1]).item():.4f}")
 
-    return {"rank": runtime.get_global_rank(), "first_loss": epoch_losses[0],
-            "final_loss": epoch_losses[-1]}
+    return model.module, {"rank": runtime.get_global_rank(), "first_loss": epoch_losses[0],
+                          "final_loss": epoch_losses[-1]}
+
+
+@distributed
+def train(epochs: int = 5, samples: int = SAMPLES) -> dict:
+    return fit(epochs, samples)[1]
 
 
 if __name__ == "__main__":

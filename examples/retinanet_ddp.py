@@ -258,8 +258,11 @@ def evaluate(model, loader, device) -> tuple[float, float]:
 
 
 # -- training --------------------------------------------------------------------------------
-@distributed
-def train(root: str, out: str, epochs: int, image_size: int, batch_size: int) -> dict:
+def fit(root: str, out: str, epochs: int, image_size: int,
+        batch_size: int) -> tuple[torch.nn.Module, dict]:
+    """The training on this rank, inside a `@distributed` function: the trained model (as DDP
+    holds it, the same on every rank) and this rank's losses and mAP history. train() below
+    returns the history; notebooks/retinanet_ddp.ipynb also logs the model to MLflow."""
     device = runtime.setup()
     torch.set_float32_matmul_precision("high")  # TF32 matmuls on GPUs that have them
     world_size, main = runtime.get_world_size(), runtime.is_main_process()
@@ -320,7 +323,13 @@ def train(root: str, out: str, epochs: int, image_size: int, batch_size: int) ->
                   f"mAP@.5 {map50:.4f}  ({time.monotonic() - started:.0f} s)")
     if main:
         torch.save(model.module.state_dict(), Path(out) / "retinanet.pt")
-    return {"rank": runtime.get_global_rank(), "losses": losses, "map": maps, "map50": map50s}
+    return model.module, {"rank": runtime.get_global_rank(), "losses": losses, "map": maps,
+                          "map50": map50s}
+
+
+@distributed
+def train(root: str, out: str, epochs: int, image_size: int, batch_size: int) -> dict:
+    return fit(root, out, epochs, image_size, batch_size)[1]
 
 
 if __name__ == "__main__":

@@ -359,12 +359,12 @@ def train_steps(trainer, batches: Windows, start: int, steps: int, size: dict, c
     return progress
 
 
-@distributed
-def train(files: tuple, size: dict, steps: int, checkpoint_dir: str, *, compile: bool = False,
-          activation_checkpointing: bool = False) -> dict:
-    runtime.setup()
+def make_trainer(size: dict, steps: int, *, compile: bool = False,
+                 activation_checkpointing: bool = False) -> strategies.Prepared:
+    """The model, sharded with FSDP2, and its optimizer and schedule, on a rank whose process
+    group runtime.setup() started."""
     torch.manual_seed(SEED)  # the same initial weights everywhere (FSDP also broadcasts rank 0's)
-    trainer = strategies.prepare(
+    return strategies.prepare(
         ByteLM(**architecture(size)),
         adamw(size["lr"]),
         "fsdp",  # fully_shard(block) for each block, then fully_shard(model)
@@ -373,6 +373,14 @@ def train(files: tuple, size: dict, steps: int, checkpoint_dir: str, *, compile:
         compile=compile,  # torch.compile each block
         activation_checkpointing=activation_checkpointing,  # recompute each block in backward
     )
+
+
+@distributed
+def train(files: tuple, size: dict, steps: int, checkpoint_dir: str, *, compile: bool = False,
+          activation_checkpointing: bool = False) -> dict:
+    runtime.setup()
+    trainer = make_trainer(size, steps, compile=compile,
+                           activation_checkpointing=activation_checkpointing)
     return fit(trainer, files, size, steps, checkpoint_dir)
 
 

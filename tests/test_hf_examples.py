@@ -6,7 +6,8 @@ for FSDP, partitioned ones for ZeRO-3), lower the loss, have rank 0 save what th
 loads (a LoRA adapter, or a whole model plus checkpoints), and load it again to generate. With
 MLflow installed, the Trainer's own metrics land in the MLflow run that gpufleet created for the
 call, each step once: written by the Trainer (`report_to="mlflow"`), or else by gpufleet's
-callback (`GpufleetCallback`). Unsloth and Axolotl need GPUs: they run in benchmarks/hf_gpu.sh.
+callback (`GpufleetCallback`). Unsloth and Axolotl are installed on their own: test_hf_notebooks.py
+and test_axolotl.py run them where they are.
 """
 
 from __future__ import annotations

@@ -3,14 +3,15 @@ per GPU of this machine.
 
     python examples/hf/axolotl_ddp.py --dataset chats.jsonl     # allenai/Olmo-3-7B-Instruct
     python examples/hf/axolotl_ddp.py --model /models/olmo-3-7b --dataset chats.jsonl --gpus 8
-    python examples/hf/axolotl_ddp.py --tiny      # a random Olmo-3-shaped model, 2 GPUs: ~1 min
+    python examples/hf/axolotl_ddp.py --tiny    # a random Olmo-3-shaped model: ~1 min, CPU or GPU
 
 Axolotl is driven by a config: the dict below is what an Axolotl YAML file holds, and the
 rank function runs what `axolotl train config.yml` runs after `accelerate launch` has started
 the processes: `load_cfg` (validation and defaults), `load_datasets` (chat-template
-tokenization, prepared once by rank 0 while the others wait, then shared through
-`dataset_prepared_path`) and `train`. gpufleet takes `accelerate launch`'s place: it starts
-one process per GPU with torchrun's variables, and Axolotl's Trainer joins them as a DDP world.
+tokenization, done once, by the rank that first takes Axolotl's file lock in
+`dataset_prepared_path`, while the others wait and then load what it saved there) and `train`.
+gpufleet takes `accelerate launch`'s place: it starts one process per GPU with torchrun's
+variables, and Axolotl's Trainer joins them as a DDP world.
 
 QLoRA: the base model is quantized to 4-bit NF4 by bitsandbytes as it loads and stays frozen;
 LoRA adapters (r=32) on every linear layer train in bf16 on top of it. Sample packing puts
@@ -21,13 +22,18 @@ few tokens. With MLflow installed the Trainer's metrics go into the MLflow run g
 for the call. Axolotl sends usage telemetry unless told not to: AXOLOTL_DO_NOT_TRACK=1 is set
 for every rank.
 
-Needs NVIDIA GPUs (bitsandbytes' 4-bit kernels) and `pip install axolotl` (which pins its own
-versions of torch, transformers, TRL and peft). `--tiny` builds a two-layer Olmo 3 model with a
-locally trained tokenizer and a generated chat data set (see tiny.py). examples/hf/README.md
-says what ran where.
+Without GPUs (a laptop, CI) it runs as 2 processes over gloo with the same config except for
+what needs CUDA: LoRA in fp32 on a base model that is not quantized (bitsandbytes' 4-bit
+kernels are CUDA's), with sample packing, the same data preparation and the same Trainer.
+
+Needs `pip install axolotl==0.19.0` (which pins its own versions of torch, transformers, TRL
+and peft; 0.19 is the last release for torch < 2.13). `--tiny` builds a two-layer Olmo 3 model
+with a locally trained tokenizer and a generated chat data set (see tiny.py).
+examples/hf/README.md says what ran where.
 """
 
 import time
+from pathlib import Path
 
 from gpufleet import distributed
 
@@ -37,12 +43,14 @@ NO_AXOLOTL_TELEMETRY = {"AXOLOTL_DO_NOT_TRACK": "1"}
 
 
 def axolotl_config(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
-                   learning_rate: float, max_length: int, report_to: str) -> dict:
-    """The Axolotl config, as its YAML file would hold it."""
+                   learning_rate: float, max_length: int, report_to: str,
+                   gpu: bool = True) -> dict:
+    """The Axolotl config, as its YAML file would hold it: QLoRA in bf16 on GPUs; without them
+    (`gpu=False`) LoRA in fp32 on a base model that is not quantized."""
     return {
         "base_model": model_path,
-        "load_in_4bit": True,
-        "adapter": "qlora",
+        "load_in_4bit": gpu,
+        "adapter": "qlora" if gpu else "lora",
         "lora_r": 32,
         "lora_alpha": 16,
         "lora_dropout": 0.05,
@@ -69,7 +77,7 @@ def axolotl_config(model_path: str, dataset_path: str, output_dir: str, max_step
         "lr_scheduler": "cosine",
         "learning_rate": learning_rate,
         "warmup_ratio": 0.1,
-        "bf16": "auto",
+        "bf16": "auto" if gpu else False,
         "gradient_checkpointing": True,
         "gradient_checkpointing_kwargs": {"use_reentrant": False},  # DDP and checkpointing
         "logging_steps": 1,
@@ -80,35 +88,71 @@ def axolotl_config(model_path: str, dataset_path: str, output_dir: str, max_step
     }
 
 
+def config_for(args) -> dict:
+    """axolotl_config() for the parsed command line (`arguments()`), for this machine."""
+    return axolotl_config(args.model, args.dataset, args.output_dir, args.max_steps,
+                          args.learning_rate, args.max_length, args.report_to,
+                          gpu=recipe.on_gpu())
+
+
+def cpu_world() -> None:
+    """Without GPUs: make Accelerate's process state a DDP world over gloo, as
+    `accelerate launch --cpu` would, before Axolotl reads it. Axolotl creates that state
+    without saying "CPU", and Accelerate then takes the missing GPU for a world of one process:
+    every rank would prepare the data set and train alone."""
+    import os
+
+    from accelerate import PartialState
+    from axolotl.utils import environment
+
+    os.environ["ACCELERATE_USE_CPU"] = "true"  # `accelerate launch --cpu`: the Trainer's too
+    PartialState(cpu=True)  # joins gpufleet's processes (torchrun's variables) with gloo
+    # With more than one process load_cfg asks CUDA whether this rank's GPU can reach another's
+    # (for NCCL); a CUDA build of torch on a machine without a driver raises instead of
+    # answering. Without GPUs there is no peer access.
+    environment.check_cuda_p2p_support = lambda: False
+
+
 @distributed(env={**recipe.NO_TELEMETRY, **NO_AXOLOTL_TELEMETRY})
-def train(config: dict) -> dict:
+def train(config: dict, log_model: str | None = None) -> dict:
+    # log_model: the name under which rank 0 logs the trained model into the call's MLflow
+    # run (examples/notebooks/axolotl.ipynb does); None: not logged.
     from axolotl.cli.config import load_cfg
     from axolotl.common.datasets import load_datasets
     from axolotl.train import train as axolotl_train
     from axolotl.utils.dict import DictDefault
 
     begun = recipe.begin()
+    if not recipe.on_gpu():
+        cpu_world()
     cfg = load_cfg(DictDefault(config))
+    if not recipe.on_gpu():
+        # With more than one process Axolotl 0.19 places the model on the rank's GPU
+        # ({"": LOCAL_RANK}, a CUDA index) whatever the device: here it stays on the CPU.
+        cfg.device_map = {"": "cpu"}
     dataset_meta = load_datasets(cfg=cfg)
     # Trains, then rank 0 saves the adapter and tokenizer into output_dir.
     _, _, trainer = axolotl_train(cfg=cfg, dataset_meta=dataset_meta)
+    # load_cfg wrote the config to a temporary YAML file, for the Trainer's callbacks
+    Path(cfg.axolotl_config_path).unlink(missing_ok=True)
     return recipe.rank_result(begun, trainer, quantized=bool(cfg.load_in_4bit),
-                              sample_packing=bool(cfg.sample_packing))
+                              sample_packing=bool(cfg.sample_packing),
+                              logged_model=recipe.log_model(begun, trainer, log_model))
 
 
-if __name__ == "__main__":
+def arguments(argv: list[str] | None = None):
+    """The command line (`argv`, else the script's), with --tiny's stand-ins built."""
     parser = recipe.command_line(__doc__, model="allenai/Olmo-3-7B-Instruct",
                                  output_dir="axolotl_ddp", max_steps=16, tiny_steps=30,
                                  learning_rate=2e-4, tiny_learning_rate=3e-3, max_length=2048,
                                  tiny_max_length=512)
-    args = recipe.parse(parser, "olmo3")
-    if not recipe.on_gpu():
-        parser.error("Axolotl's QLoRA needs NVIDIA GPUs (bitsandbytes' 4-bit kernels); "
-                     "examples/hf/README.md says why")
-    config = axolotl_config(args.model, args.dataset, args.output_dir, args.max_steps,
-                            args.learning_rate, args.max_length, args.report_to)
+    return recipe.parse(parser, "olmo3", argv)
+
+
+if __name__ == "__main__":
+    args = arguments()
     started = time.monotonic()
-    results = train.options(gpus=args.gpus).distributed(config)
+    results = train.options(gpus=args.gpus).distributed(config_for(args))
     print(f"4-bit base model: {results[0]['quantized']}, sample packing: "
           f"{results[0]['sample_packing']}")
     recipe.summarize(results, time.monotonic() - started)

@@ -8,6 +8,7 @@ the ranks (gpufleet gives the ranks the caller's import path).
 
 import argparse
 import importlib.util
+import inspect
 import math
 import os
 import time
@@ -57,10 +58,12 @@ def command_line(doc: str, *, model: str, output_dir: str, max_steps: int, tiny_
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, architecture: str) -> argparse.Namespace:
-    """Parse the command line; with --tiny, build the stand-ins under OUTPUT_DIR/tiny and
-    point --model and --dataset at them. Paths become absolute: the ranks get them as they are."""
-    args = parser.parse_args()
+def parse(parser: argparse.ArgumentParser, architecture: str,
+          argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line (`argv`, else the script's); with --tiny, build the stand-ins
+    under OUTPUT_DIR/tiny and point --model and --dataset at them. Paths become absolute: the
+    ranks get them as they are."""
+    args = parser.parse_args(argv)
     for name in ("max_steps", "learning_rate", "max_length"):  # unset: the mode's default
         if getattr(args, name) is None:
             setattr(args, name, getattr(args, ("tiny_" if args.tiny else "full_") + name))
@@ -75,6 +78,16 @@ def parse(parser: argparse.ArgumentParser, architecture: str) -> argparse.Namesp
         if Path(getattr(args, name)).exists():
             setattr(args, name, str(Path(getattr(args, name)).resolve()))
     return args
+
+
+def argv(tiny: bool = False, **options) -> list[str]:
+    """The command line for these options, for a notebook: `argv(tiny=True, max_steps=20)` is
+    `["--tiny", "--max-steps", "20"]`; an option whose value is None is left out (its default)."""
+    line = ["--tiny"] if tiny else []
+    for name, value in options.items():
+        if value is not None:
+            line += ["--" + name.replace("_", "-"), str(value)]
+    return line
 
 
 def default_report_to() -> str:
@@ -202,20 +215,29 @@ def rank_result(begun: dict, trainer, **extra) -> dict:
             "seconds": round(time.monotonic() - begun["started"], 1), **extra}
 
 
-def generate(output_dir: str, prompt: str = PROMPT, new_tokens: int = NEW_TOKENS) -> str:
-    """Load what training saved in output_dir (a whole model, or a LoRA adapter on top of the
-    base model it names) and answer `prompt` greedily. Runs in the caller, after the ranks."""
+def load_saved(output_dir: str, on_cpu: bool = False):
+    """(model, tokenizer) as training saved them in output_dir: a whole model, or a LoRA
+    adapter on top of the base model it names (a PEFT model). In bf16 on the GPUs, unless
+    `on_cpu` or there are none."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    options = {"dtype": torch.bfloat16, "device_map": "auto"} if on_gpu() else {}
+    options = {"dtype": torch.bfloat16, "device_map": "auto"} if on_gpu() and not on_cpu else {}
     if (Path(output_dir) / "adapter_config.json").exists():
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(output_dir, **options)
     else:
         model = AutoModelForCausalLM.from_pretrained(output_dir, **options)
-    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    return model, AutoTokenizer.from_pretrained(output_dir)
+
+
+def generate(output_dir: str, prompt: str = PROMPT, new_tokens: int = NEW_TOKENS) -> str:
+    """Load what training saved in output_dir (load_saved) and answer `prompt` greedily. Runs
+    in the caller, after the ranks."""
+    import torch
+
+    model, tokenizer = load_saved(output_dir)
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                            add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True).to(model.device)
@@ -225,9 +247,55 @@ def generate(output_dir: str, prompt: str = PROMPT, new_tokens: int = NEW_TOKENS
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
 
 
-def summarize(results: list[dict], elapsed: float) -> None:
-    """Print each rank's result, check that training did what it should, then load the saved
-    output and generate from it. Exits non-zero (AssertionError) otherwise."""
+def log_model(begun: dict, trainer, name: str | None) -> str | None:
+    """On rank 0, once the Trainer saved: log what it saved in its output folder into the
+    call's MLflow run with MLflow's transformers flavour, as a text-generation model named
+    `name`, and return its URI, `runs:/<run id>/<name>` (`mlflow.transformers.load_model`
+    takes it). A LoRA adapter goes as a PEFT model: MLflow stores the adapter and refers to
+    the base model by its hub name, or by its folder when it is a local one. None on the other
+    ranks, when `name` is None, or when the call has no MLflow run (MLflow missing, or
+    tracking off)."""
+    from gpufleet import runtime
+
+    if name is None or runtime.get_global_rank() != 0:
+        return None
+    run_id = begun["mlflow_run"]
+    if run_id is None:
+        why = "tracking is off" if importlib.util.find_spec("mlflow") else "MLflow is not installed"
+        print(f"the model is not logged: this call has no MLflow run ({why})", flush=True)
+        return None
+    import mlflow
+    from transformers.integrations import deepspeed
+
+    # Read back whole (FSDP and ZeRO-3 trained it in shards), on the CPU: MLflow only writes it
+    # out. Not into ZeRO-3 partitions, which would wait for the other ranks.
+    zero3 = getattr(trainer.args, "hf_deepspeed_config", None)
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        model, tokenizer = load_saved(trainer.args.output_dir, on_cpu=True)
+    finally:
+        if zero3 is not None:
+            deepspeed.set_hf_deepspeed_config(zero3)
+    accepts = inspect.signature(mlflow.transformers.log_model).parameters
+    options = {"name" if "name" in accepts else "artifact_path": name}  # MLflow 3, MLflow 2
+    adapter = getattr(model, "peft_config", {}).get("default")
+    if adapter is not None and Path(adapter.base_model_name_or_path).is_dir() \
+            and "base_model_path" in accepts:  # a local base model: referred to, not copied
+        options["base_model_path"] = adapter.base_model_name_or_path
+    # By id: the Trainer's MLflow callback may have ended the run in this process.
+    with mlflow.start_run(run_id=run_id):
+        mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tokenizer}, task="text-generation",
+            # What the model needs, named: otherwise MLflow loads it again in a new process
+            # to find out which packages it imports.
+            pip_requirements=mlflow.transformers.get_default_pip_requirements(model), **options)
+    print(f"logged the trained model into MLflow run {run_id} as {name!r}", flush=True)
+    return f"runs:/{run_id}/{name}"
+
+
+def report(results: list[dict], elapsed: float) -> None:
+    """Print each rank's result and check that training did what it should: every rank in one
+    world, and a falling loss. AssertionError otherwise."""
     for r in results:
         print(f"rank {r['rank']}: status {r['status']}, loss {r['first_loss']:.4f} -> "
               f"{r['final_loss']:.4f}, output {r['output_dir']}, mlflow run {r['mlflow_run']}")
@@ -238,5 +306,12 @@ def summarize(results: list[dict], elapsed: float) -> None:
     assert [r["rank"] for r in results] == list(range(len(results))), results
     assert all(r["status"] == "ok" and r["world_size"] == len(results) for r in results), results
     assert first["final_loss"] < first["first_loss"], f"the loss did not fall: {first['losses']}"
+
+
+def summarize(results: list[dict], elapsed: float) -> None:
+    """report(), then load the saved output and generate from it. Exits non-zero
+    (AssertionError) when training did not do what it should."""
+    report(results, elapsed)
+    first = results[0]
     text = generate(first["output_dir"])
     print(f"generated from {first['output_dir']}: {PROMPT!r} -> {text!r}")

@@ -26,6 +26,10 @@ and the output folder; rank 0 saves the adapter there, and the script then loads
 the base model and generates a few tokens. `--tiny` builds a two-layer GPT-OSS mixture-of-experts model with a
 locally trained tokenizer and a generated chat data set (see tiny.py): no download, and the same
 code path. Needs `pip install -e ".[hf]"`.
+
+examples/notebooks/trl_sft_ddp.ipynb calls the same `train` from a notebook, with
+`log_model="model"`: rank 0 then logs the trained model into the call's MLflow run (MLflow's
+transformers flavour), and the notebook loads it back from there and generates.
 """
 
 import time
@@ -41,7 +45,10 @@ MIN_LR_RATE = 0.1  # the cosine schedule ends at this fraction of the peak learn
 
 @distributed(env=recipe.NO_TELEMETRY)
 def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
-          learning_rate: float, max_length: int, report_to: str) -> dict:
+          learning_rate: float, max_length: int, report_to: str,
+          log_model: str | None = None) -> dict:
+    # log_model: the name under which rank 0 logs the trained model into the call's MLflow
+    # run (the notebooks in examples/notebooks do); None: not logged.
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -84,14 +91,20 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     if fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
         return recipe.rank_result(begun, trainer, status="stopped")
     trainer.save_model()  # rank 0 writes the adapter and the tokenizer
-    return recipe.rank_result(begun, trainer)
+    return recipe.rank_result(begun, trainer,
+                              logged_model=recipe.log_model(begun, trainer, log_model))
 
 
-if __name__ == "__main__":
+def arguments(argv: list[str] | None = None):
+    """The command line (`argv`, else the script's), with --tiny's stand-ins built."""
     parser = recipe.command_line(__doc__, model="openai/gpt-oss-20b", output_dir="trl_sft_ddp",
                                  max_steps=100, tiny_steps=30, learning_rate=2e-4,
                                  tiny_learning_rate=3e-3)
-    args = recipe.parse(parser, "gpt_oss")
+    return recipe.parse(parser, "gpt_oss", argv)
+
+
+if __name__ == "__main__":
+    args = arguments()
     started = time.monotonic()
     results = train.options(gpus=args.gpus).distributed(
         args.model, args.dataset, args.output_dir, args.max_steps, args.learning_rate,

@@ -26,9 +26,14 @@ run started again (or retried) resumes from the last checkpoint in the output fo
 (see tiny.py). Needs `pip install -e ".[hf,deepspeed]"`. Without GPUs DeepSpeed runs on its CPU
 accelerator, whose first start compiles a small extension (~30 s, once; cached under
 $TORCH_EXTENSIONS_DIR).
+
+examples/notebooks/trl_sft_deepspeed.ipynb calls the same `train` from a notebook, with
+`log_model="model"`: rank 0 then logs the trained model into the call's MLflow run (MLflow's
+transformers flavour), and the notebook loads it back from there and generates.
 """
 
 import time
+import warnings
 
 from gpufleet import distributed
 
@@ -56,13 +61,19 @@ EVAL_FRACTION = 0.1
 
 @distributed(env=recipe.NO_TELEMETRY)
 def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
-          learning_rate: float, max_length: int, report_to: str, eval_steps: int) -> dict:
+          learning_rate: float, max_length: int, report_to: str, eval_steps: int,
+          log_model: str | None = None) -> dict:
+    # log_model: the name under which rank 0 logs the trained model into the call's MLflow
+    # run (the notebooks in examples/notebooks do); None: not logged.
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from gpufleet.integrations.huggingface import GpufleetCallback, last_checkpoint
 
     begun = recipe.begin()
+    # DeepSpeed 0.19 gathers and reduces with collectives that torch 2.14 deprecates: without
+    # this, a warning for every call, several per step, fills the log.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
     config = SFTConfig(  # before the model: from_pretrained then loads into ZeRO-3 partitions
         output_dir=output_dir,
         deepspeed=DEEPSPEED,
@@ -98,25 +109,34 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     if not fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
         trainer.save_model()  # every rank gathers its partitions; rank 0 writes the whole model
     evals = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    logged = None if fleet.stopped else recipe.log_model(begun, trainer, log_model)
     return recipe.rank_result(begun, trainer, status="stopped" if fleet.stopped else "ok",
+                              logged_model=logged,
                               eval_loss=evals[-1] if evals else None,
                               zero_stage=trainer.accelerator.state.deepspeed_plugin.zero_stage,
                               # ZeRO-3 replaced every parameter by its partition of it
                               partitioned=all(hasattr(p, "ds_id") for p in model.parameters()))
 
 
-if __name__ == "__main__":
+def arguments(argv: list[str] | None = None):
+    """The command line (`argv`, else the script's), with --tiny's stand-ins built."""
     parser = recipe.command_line(__doc__, model="meta-llama/Llama-3.2-1B-Instruct",
                                  output_dir="trl_sft_deepspeed", max_steps=60, tiny_steps=30,
                                  learning_rate=1e-5, tiny_learning_rate=3e-3)
     parser.add_argument("--eval-steps", type=int, default=None,
                         help="evaluate and save a checkpoint every N steps (default: half the "
                              "steps, so twice a run)")
-    args = recipe.parse(parser, "llama")
+    args = recipe.parse(parser, "llama", argv)
+    args.eval_steps = args.eval_steps or max(1, args.max_steps // 2)
+    return args
+
+
+if __name__ == "__main__":
+    args = arguments()
     started = time.monotonic()
     results = train.options(gpus=args.gpus).distributed(
         args.model, args.dataset, args.output_dir, args.max_steps, args.learning_rate,
-        args.max_length, args.report_to, args.eval_steps or max(1, args.max_steps // 2))
+        args.max_length, args.report_to, args.eval_steps)
     print(f"ZeRO stage {results[0]['zero_stage']}, parameters partitioned on every rank: "
           f"{all(r['partitioned'] for r in results)}, last eval loss {results[0]['eval_loss']:.4f}")
     assert all(r["zero_stage"] == 3 and r["partitioned"] for r in results), "not ZeRO-3"

@@ -24,6 +24,10 @@ checkpoint in the output folder (the sharded model's and optimizer's state) and 
 the same command run again resumes from it. `--tiny` builds a two-layer GPT-OSS
 mixture-of-experts model with a locally trained tokenizer and a generated chat data set (see
 tiny.py). Needs `pip install -e ".[hf]"`.
+
+examples/notebooks/trl_sft_fsdp.ipynb calls the same `train` from a notebook, with
+`log_model="model"`: rank 0 then logs the trained model into the call's MLflow run (MLflow's
+transformers flavour), and the notebook loads it back from there and generates.
 """
 
 import time
@@ -53,7 +57,10 @@ def decoder_layer_class(model_path: str) -> str:
 
 @distributed(env={**recipe.NO_TELEMETRY, **FSDP_LOADING})
 def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
-          learning_rate: float, max_length: int, report_to: str) -> dict:
+          learning_rate: float, max_length: int, report_to: str,
+          log_model: str | None = None) -> dict:
+    # log_model: the name under which rank 0 logs the trained model into the call's MLflow
+    # run (the notebooks in examples/notebooks do); None: not logged.
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -104,14 +111,20 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
                                   sharded=recipe.sharded_parameters(trainer.model))
     trainer.save_model()  # every rank takes part in the gather; rank 0 writes
     return recipe.rank_result(begun, trainer, decoder_layer=layer,
-                              sharded=recipe.sharded_parameters(trainer.model))
+                              sharded=recipe.sharded_parameters(trainer.model),
+                              logged_model=recipe.log_model(begun, trainer, log_model))
 
 
-if __name__ == "__main__":
+def arguments(argv: list[str] | None = None):
+    """The command line (`argv`, else the script's), with --tiny's stand-ins built."""
     parser = recipe.command_line(__doc__, model="openai/gpt-oss-120b", output_dir="trl_sft_fsdp",
                                  max_steps=100, tiny_steps=30, learning_rate=2e-4,
                                  tiny_learning_rate=3e-3)
-    args = recipe.parse(parser, "gpt_oss")
+    return recipe.parse(parser, "gpt_oss", argv)
+
+
+if __name__ == "__main__":
+    args = arguments()
     started = time.monotonic()
     results = train.options(gpus=args.gpus).distributed(
         args.model, args.dataset, args.output_dir, args.max_steps, args.learning_rate,

@@ -21,6 +21,10 @@ Needs `pip install unsloth` (which pins its own versions of transformers, TRL an
 NVIDIA GPUs. On a machine without them Unsloth trains on the CPU with its fallback (slowly, and
 without its kernels). `--tiny` builds a two-layer Llama with a locally trained tokenizer and a
 generated chat data set (see tiny.py). examples/hf/README.md says what ran where.
+
+examples/notebooks/unsloth.ipynb calls the same `train` from a notebook, with
+`log_model="model"`: rank 0 then logs the trained model into the call's MLflow run (MLflow's
+transformers flavour), and the notebook loads it back from there and generates.
 """
 
 import time
@@ -36,7 +40,10 @@ LORA = dict(r=16, lora_alpha=16, lora_dropout=0.0, bias="none",
 
 @distributed(env={**recipe.NO_TELEMETRY, "UNSLOTH_DISABLE_STATISTICS": "1"})
 def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
-          learning_rate: float, max_length: int, report_to: str) -> dict:
+          learning_rate: float, max_length: int, report_to: str,
+          log_model: str | None = None) -> dict:
+    # log_model: the name under which rank 0 logs the trained model into the call's MLflow
+    # run (the notebooks in examples/notebooks do); None: not logged.
     from unsloth import FastLanguageModel  # first: it patches transformers and TRL on import
 
     from trl import SFTConfig, SFTTrainer
@@ -79,14 +86,20 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
     if fleet.stopped:  # SIGTERM: a checkpoint was saved in output_dir for the next run
         return recipe.rank_result(begun, trainer, status="stopped")
     trainer.save_model()  # rank 0 writes the adapter and the tokenizer
-    return recipe.rank_result(begun, trainer)
+    return recipe.rank_result(begun, trainer,
+                              logged_model=recipe.log_model(begun, trainer, log_model))
 
 
-if __name__ == "__main__":
+def arguments(argv: list[str] | None = None):
+    """The command line (`argv`, else the script's), with --tiny's stand-ins built."""
     parser = recipe.command_line(__doc__, model="unsloth/Llama-3.2-3B-Instruct",
                                  output_dir="unsloth_ddp", max_steps=60, tiny_steps=30,
                                  learning_rate=2e-4, tiny_learning_rate=3e-3)
-    args = recipe.parse(parser, "llama")
+    return recipe.parse(parser, "llama", argv)
+
+
+if __name__ == "__main__":
+    args = arguments()
     started = time.monotonic()
     results = train.options(gpus=args.gpus).distributed(
         args.model, args.dataset, args.output_dir, args.max_steps, args.learning_rate,

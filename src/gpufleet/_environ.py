@@ -36,6 +36,70 @@ RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use b
 # Set in a run's Ray job (runs/cluster.py): its supervisor runs as the job's entrypoint, and
 # the ranks' actors inherit the job's runtime_env instead of shipping their own.
 RAY_JOB = "GPUFLEET_RAY_JOB"
+NODE_DEFAULTS = "GPUFLEET_NODE_DEFAULTS"  # defined and read in launchers/_ray_node.py
+HOME = "GPUFLEET_HOME"
+
+# Every environment variable gpufleet reads or sets, and what it means: docs/reference.md is
+# generated from these, and tests/test_docs.py fails when the code names a GPUFLEET_ variable
+# that is missing here.
+USER_VARIABLES: tuple[tuple[str, str], ...] = (  # read from the caller's environment
+    (HOME, "gpufleet's folder (default `~/.gpufleet`): `runs/`, `config.yaml`, `mlflow.db`, "
+     "device locks, the kept template, caches"),
+    (TRACKING, "`0`, `false`, `off` or `no`: no call is tracked in MLflow, `tracking=True` "
+     "included; `1`, `true`, `on`, `yes` or unset: as `tracking=` says; anything else is an error"),
+    (TEMPLATE, "`0` (or `false`, `off`, `no`): no kept template, every run starts its processes cold"),
+    (TEMPLATE_IDLE, f"seconds the kept template waits for a run before it ends (default "
+     f"{DEFAULT_TEMPLATE_IDLE_SECONDS:.0f})"),
+    (VIRTUAL_GPUS, "`N`: a machine without GPUs schedules runs as if it had N GPUs (the ranks "
+     "run on CPUs)"),
+    ("CUDA_VISIBLE_DEVICES", "the GPUs of this machine that runs may use (default: all)"),
+    (RAY_ADDRESS, "Ray's own: the cluster of remote runs when `ray_address` is not given"),
+    ("MLFLOW_TRACKING_URI", "MLflow's own: the store calls track into (default "
+     "`$GPUFLEET_HOME/mlflow.db`)"),
+    ("MLFLOW_EXPERIMENT_NAME", "MLflow's own: the experiment of tracked calls (default `gpufleet`)"),
+    ("MLFLOW_RUN_ID", "MLflow's own: a call made with it set gets a child run of that run"),
+    ("SLURM_JOB_ID", "inside a Slurm job step, `gpufleet run` takes its machines, node rank and "
+     "rendezvous from the step's `SLURM_` variables"),
+    ("MASTER_PORT", "under Slurm: the rendezvous port, the same on every node (default: one "
+     "derived from the job id)"),
+)
+RANK_VARIABLES: tuple[tuple[str, str], ...] = (  # set for every rank; the first eight as torchrun
+    ("RANK", "the global rank, 0 to WORLD_SIZE - 1"),
+    ("LOCAL_RANK", "the rank's index on its machine"),
+    ("WORLD_SIZE", "the number of ranks"),
+    ("LOCAL_WORLD_SIZE", "the run's ranks on this machine"),
+    ("GROUP_RANK", "the machine's index among the run's machines (torch elastic's name)"),
+    ("NODE_RANK", "the machine's index among the run's machines"),
+    ("MASTER_ADDR", "the address of rank 0's machine"),
+    ("MASTER_PORT", "the port of the run's rendezvous store there"),
+    ("CUDA_VISIBLE_DEVICES", "the run's GPUs on this machine, in local-rank order: "
+     "`cuda:LOCAL_RANK` is the rank's GPU"),
+    ("OMP_NUM_THREADS", "the machine's cores divided by its ranks, unless already set"),
+    ("NCCL_SOCKET_IFNAME", "unless already set: `lo` on one machine; the interface that reaches "
+     "the other machines in a node run or a Ray cluster"),
+    ("GLOO_SOCKET_IFNAME", "as `NCCL_SOCKET_IFNAME`, for gloo"),
+    (RUN_DIR, "the folder of the run's current attempt, `<run folder>/attempt-N`"),
+    (ATTEMPT, "0 on the first attempt of a call, 1 on its first retry, ... "
+     "(`runtime.get_attempt()`)"),
+    (DEVICE, "`cuda` or `cpu`: what the run was placed on"),
+    (PARAMETERS, "a workload file's `parameters`: the path of its copy, a YAML or JSON file"),
+    ("MLFLOW_TRACKING_URI", "a tracked call's store"),
+    ("MLFLOW_EXPERIMENT_ID", "a tracked call's experiment"),
+    ("MLFLOW_RUN_ID", "a tracked call's MLflow run, shared by every rank"),
+)
+INTERNAL_VARIABLES: tuple[tuple[str, str], ...] = (  # between gpufleet's own processes
+    (PARENT_PID, "the process a launcher-side process must die with"),
+    (UMASK, "the caller's umask, for the code in the ranks"),
+    (STEP_TELEMETRY, "`0`: the ranks time no steps (`step_telemetry=False`)"),
+    (TRACKED, "`1`: the call's MLflow run comes in the run folder's `tracking.json`"),
+    (POOL, "set for the ranks of a warm pool"),
+    (DEVICE_TICKET, "a submitted run's place in line for devices"),
+    (CALL_SECRETS_FD, "the descriptor through which a submitted run's `env=` reaches its "
+     "supervisor, never the run folder"),
+    (RAY_JOB, "`1` in a run supervised as a Ray job, and in what it starts"),
+    (NODE_DEFAULTS, "which of a Ray rank's variables a node's own settings override"),
+)
+VARIABLES = USER_VARIABLES + RANK_VARIABLES + INTERNAL_VARIABLES
 
 
 def int_var(name: str, default: int) -> int:
@@ -160,7 +224,7 @@ def caller_umask() -> int | None:
 def gpufleet_home() -> Path:
     """``$GPUFLEET_HOME`` (default ``~/.gpufleet``), its symlinks resolved: a link the user
     made (to a larger disk, say) is their choice; what it points at must then be private."""
-    return Path(os.environ.get("GPUFLEET_HOME") or Path.home() / ".gpufleet").expanduser().resolve()
+    return Path(os.environ.get(HOME) or Path.home() / ".gpufleet").expanduser().resolve()
 
 
 def in_ray_job() -> bool:

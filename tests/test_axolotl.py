@@ -1,0 +1,80 @@
+"""examples/hf/axolotl_ddp.py and examples/notebooks/axolotl.ipynb: Axolotl's `load_cfg`,
+`load_datasets` and `train` in 2 gloo CPU processes, at the size of tests/test_hf_examples.py
+(the tiny random Olmo 3 model, 20 steps).
+
+Without GPUs the example trains LoRA on the unquantized model (QLoRA's 4-bit kernels are
+CUDA's) with sample packing, in one DDP world of both ranks: the data set prepared by rank 0
+and shared, the loss averaged over the ranks and falling, the adapter saved by rank 0 and loaded
+again to generate, the Trainer's loss of every step in the MLflow run gpufleet created for the
+call. The notebook runs the same training function, logs the trained model into that run and
+loads it back in its own process.
+
+Axolotl is not among the test extras: it pins its own torch (<= 2.13), transformers, TRL and
+PEFT, so it gets an environment of its own (`pip install -e . axolotl==0.19.0`, then MLflow,
+pytest, nbclient and ipykernel there). Elsewhere these tests are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from support import EXAMPLES, assert_all_gone, script_env
+from test_hf_examples import STEPS, check_training, saved_tensors
+from test_hf_notebooks import check_logged_and_loaded, hf_env, run_notebook  # noqa: F401
+from test_hf_notebooks import check_training as check_notebook_training
+from test_notebook import kernel_env  # noqa: F401 (the fixture hf_env builds on)
+
+pytest.importorskip("axolotl")
+
+# About 75 s for the script and 90 s for the notebook on 2 cores beside another workload (the
+# ranks import Axolotl, which imports most of the Hugging Face stack); the margin is for a
+# busier machine.
+SCRIPT_TIMEOUT_S = 300
+
+
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 30)
+def test_axolotl_trains_lora_with_sample_packing_in_one_gloo_world_and_saves_the_adapter(
+        run_script, tmp_path):
+    out = tmp_path / "out"
+    env = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet"), HF_HUB_OFFLINE="1")
+    result = run_script(EXAMPLES / "hf" / "axolotl_ddp.py", "--tiny", "--gpus", "2",
+                        "--max-steps", str(STEPS), "--output-dir", out, env=env,
+                        timeout=SCRIPT_TIMEOUT_S)
+    assert result.returncode == 0, result.explain()
+    assert_all_gone(result.tree, what="processes of the example")
+
+    ranks = check_training(result.stdout, out, "MULTI_CPU")  # DDP over gloo, loss averaged
+    assert "4-bit base model: False, sample packing: True" in result.stdout
+    assert list((out / "prepared").iterdir()), "the data set was prepared once, on disk"
+    adapter = saved_tensors(out / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter), adapter
+    assert any(".self_attn.q_proj.lora_A" in k for k in adapter), "every linear layer"
+    assert not (out / "model.safetensors").exists(), "LoRA saves the adapter, not the model"
+
+    if importlib.util.find_spec("mlflow") is None:
+        return
+    import mlflow
+
+    run_id = ranks[0]["run"]
+    assert run_id != "None" and ranks[1]["run"] == run_id, "every rank is in the call's run"
+    client = mlflow.MlflowClient()
+    run = client.get_run(run_id)
+    assert run.data.tags["gpufleet.function"].endswith("train"), "the run gpufleet created"
+    assert run.data.params["world_size"] == "2"
+    losses = client.get_metric_history(run_id, "loss")  # Axolotl's use_mlflow: the Trainer's
+    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)), "rank 0 logs every step"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,
+                    reason="the notebook ends by logging the model into MLflow")
+@pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
+def test_axolotl_notebook_trains_logs_the_adapter_to_the_calls_mlflow_run_and_loads_it(
+        hf_env):  # noqa: F811 (the imported fixture)
+    text, here = run_notebook("axolotl.ipynb", hf_env)
+
+    out = here / "axolotl_ddp"  # the notebook's OUTPUT_DIR, in its own folder
+    run_id = check_notebook_training(text, out, "MULTI_CPU")
+    assert "4-bit base model: False, sample packing: True" in text
+    flavor = check_logged_and_loaded(text, run_id, "PeftModelForCausalLM")
+    assert "peft_adaptor" in flavor, "MLflow stores the adapter, the base model by reference"
