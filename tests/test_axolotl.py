@@ -20,7 +20,7 @@ import importlib.util
 
 import pytest
 from support import EXAMPLES, assert_all_gone, script_env
-from test_hf_examples import STEPS, check_training, saved_tensors
+from test_hf_examples import STEPS, check_calls_run, check_training, saved_tensors
 from test_hf_notebooks import check_logged_and_loaded, hf_env, run_notebook  # noqa: F401
 from test_hf_notebooks import check_training as check_notebook_training
 from test_notebook import kernel_env  # noqa: F401 (the fixture hf_env builds on)
@@ -54,16 +54,7 @@ def test_axolotl_trains_lora_with_sample_packing_in_one_gloo_world_and_saves_the
 
     if importlib.util.find_spec("mlflow") is None:
         return
-    import mlflow
-
-    run_id = ranks[0]["run"]
-    assert run_id != "None" and ranks[1]["run"] == run_id, "every rank is in the call's run"
-    client = mlflow.MlflowClient()
-    run = client.get_run(run_id)
-    assert run.data.tags["gpufleet.function"].endswith("train"), "the run gpufleet created"
-    assert run.data.params["world_size"] == "2"
-    losses = client.get_metric_history(run_id, "loss")  # Axolotl's use_mlflow: the Trainer's
-    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)), "rank 0 logs every step"
+    check_calls_run(ranks)  # the loss by Axolotl's use_mlflow: the Trainer's
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mlflow") is None,

@@ -83,18 +83,9 @@ def test_trl_ddp_lora_saves_an_adapter_and_logs_into_gpufleets_mlflow_run(
 
     if importlib.util.find_spec("mlflow") is None:
         return
-    import mlflow
-
-    run_id = ranks[0]["run"]
-    assert run_id != "None" and ranks[1]["run"] == run_id, "every rank is in the call's run"
-    client = mlflow.MlflowClient()
-    run = client.get_run(run_id)
-    assert run.data.tags["gpufleet.function"].endswith("train"), "the run gpufleet created"
-    assert run.data.params["world_size"] == "2"  # gpufleet's parameter ...
-    assert run.data.params["lr_scheduler_type"] == "cosine_with_min_lr"  # ... beside the Trainer's
-    losses = client.get_metric_history(run_id, "loss")
     # each step once: gpufleet's callback leaves MLflow to the Trainer (the status line only)
-    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)), "rank 0 logs every step"
+    run = check_calls_run(ranks)
+    assert run.data.params["lr_scheduler_type"] == "cosine_with_min_lr"  # beside gpufleet's
     assert run.info.status == "FINISHED"
 
 
@@ -127,12 +118,34 @@ def test_trl_deepspeed_zero3_full_fine_tune_evaluates_checkpoints_and_saves_the_
                               "--eval-steps", "10", "--report-to", "none")
 
     check_training(stdout, out, "DEEPSPEED")
-    assert "ZeRO stage 3, parameters partitioned on every rank: True" in stdout, stdout
-    weights = saved_tensors(out / "model.safetensors")  # gathered from the partitions
+    check_zero3_saved(stdout, out)
+
+
+def check_calls_run(ranks: list[dict]):
+    """Every rank logged into the MLflow run gpufleet created for the call, and rank 0 logged the
+    loss of every step once; the run, for more checks."""
+    import mlflow
+
+    run_id = ranks[0]["run"]
+    assert run_id != "None" and ranks[1]["run"] == run_id, "every rank is in the call's run"
+    client = mlflow.MlflowClient()
+    run = client.get_run(run_id)
+    assert run.data.tags["gpufleet.function"].endswith("train"), "the run gpufleet created"
+    assert run.data.params["world_size"] == "2"
+    losses = client.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(1, STEPS + 1)), "rank 0 logs every step"
+    return run
+
+
+def check_zero3_saved(text: str, out: Path) -> None:
+    """A ZeRO-3 full fine-tune: the whole model gathered from the partitions, two checkpoints
+    holding DeepSpeed's partitioned optimizer state, and a held-out loss that fell."""
+    assert "ZeRO stage 3, parameters partitioned on every rank: True" in text, text
+    weights = saved_tensors(out / "model.safetensors")
     assert "model.embed_tokens.weight" in weights and "lm_head.weight" in weights
     checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-10", "checkpoint-20"], checkpoints
     assert all(list((out / c).glob("global_step*/*optim_states.pt")) for c in checkpoints), \
         "each checkpoint holds DeepSpeed's partitioned optimizer state"
-    eval_loss = float(re.search(r"last eval loss ([\d.]+)", stdout)[1])
+    eval_loss = float(re.search(r"last eval loss ([\d.]+)", text)[1])
     assert eval_loss < 5.5, f"the held-out loss fell too: {eval_loss}"

@@ -25,6 +25,7 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
 from support import EXAMPLES, extensions_cache
+from test_hf_examples import check_zero3_saved
 from test_notebook import KERNEL, kernel_env  # noqa: F401 (kernel_env: a fixture)
 
 pytest.importorskip("trl")
@@ -167,15 +168,7 @@ def test_trl_deepspeed_notebook_gathers_the_zero3_partitions_and_logs_the_whole_
 
     out = here / "trl_sft_deepspeed"
     run_id = check_training(text, out, "DEEPSPEED")
-    assert "ZeRO stage 3, parameters partitioned on every rank: True" in text, text
-    weights = saved_tensors(out / "model.safetensors")  # gathered from the partitions
-    assert "model.embed_tokens.weight" in weights and "lm_head.weight" in weights
-    checkpoints = sorted(p.name for p in out.glob("checkpoint-*"))
-    assert checkpoints == ["checkpoint-10", "checkpoint-20"], checkpoints
-    assert all(list((out / c).glob("global_step*/*optim_states.pt")) for c in checkpoints), \
-        "each checkpoint holds DeepSpeed's partitioned optimizer state"
-    eval_loss = float(re.search(r"last eval loss ([\d.]+)", text)[1])
-    assert eval_loss < 5.5, f"the held-out loss fell too: {eval_loss}"
+    check_zero3_saved(text, out)
     flavor = check_logged_and_loaded(text, run_id, "LlamaForCausalLM")
     assert "peft_adaptor" not in flavor, "a full fine-tune logs the whole model"
 
