@@ -79,7 +79,7 @@ def test_decorated_function_keeps_name_doc_and_signature(bare):
         ({"gpus": (3, 2), "remote": True}, ["gpus=(3, 2)", "no more than MAX"]),  # elastic sizes
         ({"gpus": (0, 2), "remote": True}, ["gpus=(0, 2)", "at least 1"]),
         ({"gpus": (1, 2, 3), "remote": True}, ["gpus=(1, 2, 3)", "(MIN, MAX)"]),
-        ({"gpus": (1, 2)}, ["gpus=(1, 2)", "remote=True", "gpus=2", "nnodes='1:2'"]),  # Ray's only
+        ({"gpus": (1, 2)}, ["gpus=(1, 2)", "remote=True", "gpus=2", "nnodes=(1, 2)"]),  # Ray's only
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else None,
 )

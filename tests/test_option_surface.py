@@ -95,6 +95,9 @@ def test_durations_and_torchrun_flags_on_the_command_line(tmp_path):
     proc = cli(tmp_path, "run", "--nproc_per_node=2", "--timeout", "3s", "--no-tracking", "sleeper.py")
     assert proc.returncode == 124, explain(proc)
     assert "must not finish" not in proc.stdout
+    # the error spells the option as the command line does, and so does its fix
+    assert "timed out after --timeout 3 s" in proc.stderr, explain(proc)
+    assert "give a larger --timeout (--timeout none: no limit)" in proc.stderr, explain(proc)
 
     proc = cli(tmp_path, "run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
                "--max-restarts", "0", "--local-ranks-filter", "1", "--no-tracking", "reporter.py")

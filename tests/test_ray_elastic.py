@@ -219,6 +219,6 @@ def test_an_elastic_size_without_remote_names_the_fix(runs_dir):
     with pytest.raises(ConfigError) as info:
         distributed(gpus=(1, 2), runs_dir=runs_dir)(lambda: None)
     text = str(info.value)
-    for word in ("gpus=(1, 2)", "remote=True", "gpus=2", "nnodes='1:2'"):
+    for word in ("gpus=(1, 2)", "remote=True", "gpus=2", "nnodes=(1, 2)"):
         assert word in text, text
     assert not runs_dir.exists()

@@ -119,6 +119,19 @@ def spell(name: str, value: Any = _BARE) -> str:
     return name if value is _BARE else f"{name}={value!r}"
 
 
+def spell_seconds(name: str, seconds: float | None) -> str:
+    """A duration option and its value, as the surface in use writes the option: ``timeout=90 s``,
+    ``--timeout 90 s``, ``field 'timeout': 90 s`` (``timeout=None``: no limit)."""
+    if seconds is None:
+        return spell(name, None)
+    return f"{spell(name, int(seconds) if float(seconds).is_integer() else seconds)} s"
+
+
+def _a(noun: str) -> str:
+    """``noun`` after its article: ``an int``, ``a list``."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def choices(values: Sequence[str]) -> str:
     """Choices as the surface in use writes them: ``'pack', 'spread'`` in Python."""
     quoted = _surface.get()[0] is Surface.PYTHON
@@ -519,12 +532,12 @@ def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
             f"{spell('remote', False)}"
         )
     if isinstance(run.gpus, tuple) and not run.remote:
-        low, high = run.gpus
+        high = run.gpus[1]
         raise ConfigError(
             f"{spell('gpus', _elastic_shown(run.gpus))} is an elastic size, which only a Ray cluster "
             f"gives (ranks restart at the new size as nodes come and go): add {spell('remote', True)}; "
             f"on one machine give a number, e.g. {spell('gpus', high)}; across machines without Ray, "
-            f"run gpufleet on each with {spell('nnodes', _elastic_shown(run.gpus, f'{low}:{high}'))} instead"
+            f"run gpufleet on each with {spell('nnodes', _elastic_shown(run.gpus))} instead"
         )
     if run.nnodes is not None and (run.remote or run.warm):
         other = spell("remote", True) if run.remote else spell("warm", True)
@@ -837,7 +850,7 @@ def _check_env(env):
             raise ConfigError(f"{spell('env')}: {shown} is not a valid environment variable name")
         if not isinstance(value, str):
             raise ConfigError(
-                f"{spell('env')}: {key!r} is a {type(value).__name__}; environment values must be "
+                f"{spell('env')}: {key!r} is {_a(type(value).__name__)}; environment values must be "
                 f"strings (e.g. str(...) it)"
             )
         if "\0" in value:

@@ -40,7 +40,7 @@ from gpufleet.launchers._ray_job import Growth, RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.launchers.base import Gate, Launcher
 from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
-from gpufleet.options import RunOptions, spell
+from gpufleet.options import RunOptions, spell, spell_seconds
 from gpufleet.payload import write_private
 from gpufleet.rundir import Attempt, RunDir
 
@@ -630,20 +630,20 @@ def _wait_for_placement(ray, group, launch_plan: RayPlan, run: RunDir, deadline:
     while not ray.wait([ready], timeout=0.2)[0]:
         now = time.monotonic()
         if deadline is not None and now > deadline:
-            raise _timeout(launch_plan, run, f"timed out after timeout={launch_plan.timeout:g} s "
+            raise _timeout(launch_plan, run, f"timed out after {spell_seconds('timeout', launch_plan.timeout)} "
                            f"while waiting for {_wanted(launch_plan)} in the Ray cluster; "
-                           "pass a larger timeout=")
+                           f"give a larger {spell('timeout')}")
         if now - started > launch_plan.placement_timeout:
             raise _timeout(launch_plan, run, (
-                f"waited placement_timeout={launch_plan.placement_timeout:g} s for "
+                f"waited {spell_seconds('placement_timeout', launch_plan.placement_timeout)} for "
                 f"{_wanted(launch_plan)} in the Ray cluster at {launch_plan.placement.address} "
                 f"({_free(ray, launch_plan)}); free some (other jobs or placement groups hold "
-                "them), add nodes, or pass a larger placement_timeout="
+                f"them), add nodes, or give a larger {spell('placement_timeout')}"
             ))
         if now > notice:
             log.info(f"waiting for {_wanted(launch_plan)} in the Ray cluster "
-                     f"({_free(ray, launch_plan)}); up to placement_timeout="
-                     f"{launch_plan.placement_timeout:g} s")
+                     f"({_free(ray, launch_plan)}); up to "
+                     f"{spell_seconds('placement_timeout', launch_plan.placement_timeout)}")
             notice = now + WAIT_REPEAT_S
     ray.get(ready)
 
@@ -691,8 +691,8 @@ def _gather(ray, refs: list, launch_plan: RayPlan, run: RunDir, deadline: float 
     while ray.wait(refs, num_returns=len(refs), timeout=0.2)[1]:
         now = time.monotonic()
         if deadline is not None and now > deadline:
-            raise _timeout(launch_plan, run, f"timed out after timeout={launch_plan.timeout:g} s "
-                           f"while {what}; pass a larger timeout=")
+            raise _timeout(launch_plan, run, f"timed out after {spell_seconds('timeout', launch_plan.timeout)} "
+                           f"while {what}; give a larger {spell('timeout')}")
         if now > notice:
             log.info(f"{what} ...")
             notice = now + WAIT_REPEAT_S

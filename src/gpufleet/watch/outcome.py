@@ -22,7 +22,7 @@ from gpufleet.errors import (
     RunTimeoutError,
 )
 from gpufleet.launchers.base import Job
-from gpufleet.options import RunOptions
+from gpufleet.options import RunOptions, spell, spell_seconds
 from gpufleet.payload import free_space_note, load_private
 from gpufleet.rundir import LauncherState, RunDir
 from gpufleet.watch import diagnosis
@@ -44,9 +44,10 @@ def hung(job: Job, options: RunOptions) -> RunHangError:
         folder.glob("*.pipe")
     ) else ""
     headline = (
-        f"no progress for hang_timeout={options.hang_timeout:g} s (no output and no "
+        f"no progress for {spell_seconds('hang_timeout', options.hang_timeout)} (no output and no "
         f"runtime.heartbeat() on any rank); stopped all {job.world_size} ranks. {found}.{nccl} "
-        "If the silence was expected, call runtime.heartbeat() or pass a larger hang_timeout="
+        f"If the silence was expected, call runtime.heartbeat() or give a larger {spell('hang_timeout')} "
+        f"({spell('hang_timeout', None)}: off)"
     )
     return RunHangError(failures, run_dir=job.attempt.path, world_size=job.world_size, headline=headline)
 
@@ -112,9 +113,8 @@ def timed_out(job: Job, options: RunOptions) -> RunTimeoutError:
         if rank not in finished
     ]
     headline = (
-        f"timed out after timeout={options.timeout:g} s and stopped all "
-        f"{job.world_size} ranks; pass a larger timeout= to @distributed(...) "
-        "(or timeout=None for no limit)"
+        f"timed out after {spell_seconds('timeout', options.timeout)} and stopped all "
+        f"{job.world_size} ranks; give a larger {spell('timeout')} ({spell('timeout', None)}: no limit)"
     )
     return RunTimeoutError(
         running, run_dir=job.attempt.path, world_size=job.world_size, headline=headline
