@@ -239,6 +239,10 @@ def test_run_of_a_raising_script_exits_1_naming_rank_and_exception(tmp_path):
     assert proc.returncode == 1, explain(proc)
     assert "ValueError" in proc.stderr and "cli bad value 13" in proc.stderr, explain(proc)
     assert "rank 1" in proc.stderr, explain(proc)
+    # the traceback starts in the script, as `python fails.py` would show it: no frames of
+    # what ran the script as __main__
+    assert 'fails.py", line 8, in <module>' in proc.stderr, explain(proc)
+    assert "runpy" not in proc.stderr and "gpufleet/rank" not in proc.stderr, explain(proc)
     (record,) = json_out(gpufleet("--runs-dir", runs_dir, "runs", "--json", cwd=tmp_path,
                                   env=env))
     assert record["status"] == "failed"

@@ -12,6 +12,7 @@ import errno
 import faulthandler
 import json
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -32,6 +33,7 @@ from gpufleet.rundir import RunDir, check_private_dir
 EXIT_GRACE_SECONDS = 30
 _keep_open: list = []  # the stacks file faulthandler writes to
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)  # gpufleet/
+_RUNPY = runpy.__file__  # where Python does not freeze it (it does from 3.11: "<frozen runpy>")
 _PEER_LOSS_MESSAGES = (
     "connection closed by peer",
     "connection reset by peer",
@@ -328,11 +330,16 @@ def _result_failure(rank: int, value, exc: Exception) -> RankFailure:
 
 
 def _user_traceback(exc: BaseException) -> str:
-    """The traceback without gpufleet's own frames at the top."""
+    """The traceback without the frames at its top that are gpufleet's own, or runpy's (which
+    runs a script or module as ``__main__`` for ``gpufleet run``)."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while tb is not None and _is_launch_frame(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _is_launch_frame(filename: str) -> bool:
+    return filename.startswith(_PACKAGE_DIR) or filename in (_RUNPY, "<frozen runpy>")
 
 
 def _is_peer_loss(exc: BaseException | None) -> bool:

@@ -48,7 +48,8 @@ class Frame:
         )
 
     def is_library(self) -> bool:
-        return any(m in self.file for m in _LIBRARY_MARKERS) or "/lib/python3" in self.file
+        return (any(m in self.file for m in _LIBRARY_MARKERS) or "/lib/python3" in self.file
+                or self.file.startswith("<frozen "))  # the standard library's frozen modules (runpy)
 
 
 @dataclass(frozen=True)
