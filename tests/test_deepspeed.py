@@ -14,16 +14,18 @@ sets a process-wide accelerator.
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
 
 from gpufleet import RunFailedError, distributed, runtime
 from gpufleet.checkpoint import Checkpointer
+from support import run_folders
 from test_checkpoint import (RunsCode, batch, clone_state, differing, fit_two_micro_batches,
                              resumable_trainer)
 from test_checkpoint import mlp as mlp_with_dropout
-from test_strategies import (STEPS, assert_weights_close, global_batch, mlp,
+from test_strategies import (FEATURES, STEPS, assert_weights_close, global_batch, mlp,
                              one_process_reference)
 
 pytestmark = [
@@ -242,3 +244,23 @@ def test_zero3_offload_to_cpu_gives_the_same_weights(runs_dir):
     assert offloaded["offloaded"] == ["offload_optimizer", "offload_param"]
     assert plain["offloaded"] == []
     assert not differing(offloaded["weights"], plain["weights"]), "offload changed the weights"
+
+
+def test_zero_optimizer_steps_are_the_steps_of_the_step_telemetry(runs_dir):
+    """As under DDP and FSDP, each optimizer step of ZeRO's trainer is one step of the run's
+    step telemetry (steps.json), with no code change: micro-batches are not steps."""
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False, timeout=200)
+    def train():
+        import torch
+
+        from gpufleet import strategies
+
+        prepared = strategies.prepare(mlp(), lambda p: torch.optim.SGD(p, lr=0.01), "zero2", grad_accum=2)
+        for _ in range(12):  # 6 optimizer steps
+            prepared.backward(prepared.model(torch.randn(4, FEATURES)).pow(2).mean())
+            prepared.step()
+        return prepared.optimizer_steps
+
+    assert train.distributed() == [6, 6]
+    summary = json.loads((run_folders(runs_dir)[-1] / "steps.json").read_text())
+    assert sorted((row["rank"], row["steps"]) for row in summary["ranks"]) == [(0, 6), (1, 6)], summary

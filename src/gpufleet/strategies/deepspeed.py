@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gpufleet import steps
 from gpufleet.errors import ConfigError
 from gpufleet.strategies._base import Common, Prepared, StrategyOptions, setup_device
 
@@ -127,6 +128,8 @@ class PreparedZeRO(Prepared):
         boundary = self.model.is_gradient_accumulation_boundary()
         self.model.step()
         self.micro_steps += 1
+        if boundary:
+            steps.trainer_step()  # the step telemetry counts optimizer steps, as the others do
         return boundary
 
     @property
