@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -244,6 +245,17 @@ def test_an_idle_template_ends_by_itself(run_script, tmp_path, env):
     [running] = templates(env)
     assert_all_gone([psutil.Process(running["pid"])], grace=10, what="the idle template", templates_too=True)
     assert templates(env) == []
+
+
+def test_a_template_that_closes_as_it_is_asked_counts_as_stale_not_broken():
+    """A template that is exiting (idle, or stale for another caller) may close the connection
+    while a call asks it: the call then asks a new template, as after a refusal, rather than
+    starting its ranks cold."""
+    from gpufleet.launchers import template
+
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    assert template._ask(ours, {"kind": "script"}, []) is None
 
 
 def test_a_call_that_cannot_use_the_template_starts_cold_and_says_why_once(run_script, tmp_path):

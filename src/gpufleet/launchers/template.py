@@ -323,12 +323,15 @@ def _start_template(home: Path, key: str, fingerprint: str, env: dict[str, str])
 
 
 def _ask(conn: socket.socket, request: dict, streams: list[int]) -> Forked | None:
-    """Send the request; the process the template forked, or None when it refused (stale)."""
+    """Send the request; the process the template forked, or None when it refused (stale) or
+    closed the connection as it was asked (it was exiting: idle, or stale for another caller)."""
     with conn:
         try:
             wire.send(conn, request, streams)
             answer, _ = wire.receive(conn)
-        except (OSError, ConnectionError, ValueError) as exc:
+        except ConnectionError:  # reset, broken pipe, or closed in the middle of the answer
+            return None
+        except (OSError, ValueError) as exc:
             raise TemplateUnavailable(f"the kept template did not answer: {exc}") from exc
         if answer is None or "pid" not in answer:
             return None
