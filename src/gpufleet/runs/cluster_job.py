@@ -54,6 +54,7 @@ def main(argv: list[str]) -> int:
     record = Record.create(None, call.name, run_id=origin["run_id"], function=call.function,
                            kind=call.kind, gpus=call.placement.nprocs, device=call.placement.device,
                            remote=call.options.remote, background=True, detached=True,
+                           straggler_threshold=call.options.straggler_threshold,
                            cluster={"address": origin["address"], "job": origin["job"]},
                            argv=origin.get("argv"))
     record.supervised_here()
