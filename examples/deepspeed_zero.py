@@ -14,8 +14,9 @@ clipping and the scheduler steps. `gpufleet.checkpoint.Checkpointer` saves the e
 DeepSpeed's own `save_checkpoint` (its partitioned files, under `deepspeed/` in each step's
 folder) and the data position and random generators beside it, so a second run resumes.
 ZeRO-3 gathers and releases parameters with Python hooks on every module, which costs more per
-step than FSDP2 on a model this small (measured: 70-95 ms against 40-47 ms on 2 H200s): the
-default is 2000 steps rather than FSDP's 4000.
+step than FSDP2 on a model this small (measured on 2 H200s after the first step: 89-108 ms
+against FSDP2's 35-46 ms, benchmarks/results/deepspeed_zero-2xH200-2026-11-30.log and
+transformer_fsdp-2xH200-2026-11-30.log): the default is 2000 steps rather than FSDP's 4000.
 
 Needs `pip install deepspeed`. On a machine without GPUs DeepSpeed runs on its CPU accelerator,
 and its first start compiles a small communication extension (about 30 s, once: it is cached
@@ -28,7 +29,7 @@ from gpufleet import distributed, runtime, strategies
 from transformer_fsdp import (CLIP_GRAD_NORM, SEED, ByteLM, adamw, architecture, command_line,
                               configure, fit, summarize, warmup_cosine)
 
-FULL_STEPS = 2000  # measured at 70-95 ms each on 2 H200s: about 3.5 minutes with the start-up
+FULL_STEPS = 2000  # measured at 89-108 ms each on 2 H200s: 228 s with the start-up
 
 
 @distributed
