@@ -33,11 +33,12 @@ WORLD_LINE = re.compile(r"^2 ranks \((\w+), world of (\d+)\)", flags=re.M)
 GENERATED = re.compile(r"^generated from (.+): '.*' -> '(.*)'$", flags=re.M)
 
 
-def run_example(name: str, run_script, tmp_path, request, *args) -> tuple[str, Path]:
-    """`python examples/hf/NAME --tiny --gpus 2 ...`: its stdout and output folder."""
+def run_example(name: str, run_script, tmp_path, request, *args, **env_vars) -> tuple[str, Path]:
+    """`python examples/hf/NAME --tiny --gpus 2 ...` in `tmp_path` (with `env_vars` set): its
+    stdout and output folder."""
     out = tmp_path / "out"
     env = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet"), HF_HUB_OFFLINE="1",
-                     TORCH_EXTENSIONS_DIR=extensions_cache(request, tmp_path))
+                     TORCH_EXTENSIONS_DIR=extensions_cache(request, tmp_path), **env_vars)
     result = run_script(EXAMPLES / "hf" / name, "--tiny", "--gpus", "2", "--max-steps",
                         str(STEPS), "--output-dir", out, *args, env=env,
                         timeout=SCRIPT_TIMEOUT_S)
@@ -114,11 +115,16 @@ def test_trl_fsdp2_shards_gpt_oss_saves_a_lora_adapter_with_expert_weights_and_l
 def test_trl_deepspeed_zero3_full_fine_tune_evaluates_checkpoints_and_saves_the_model(
         run_script, tmp_path, request):
     pytest.importorskip("deepspeed")
+    # Not tracked, and no MLflow store set: with the default --report-to auto the Trainer
+    # reports nowhere, so MLflow (installed or not) makes no store of its own in the working folder.
     stdout, out = run_example("trl_sft_deepspeed.py", run_script, tmp_path, request,
-                              "--eval-steps", "10", "--report-to", "none")
+                              "--eval-steps", "10", GPUFLEET_TRACKING="0", MLFLOW_TRACKING_URI="")
 
-    check_training(stdout, out, "DEEPSPEED")
+    ranks = check_training(stdout, out, "DEEPSPEED")
     check_zero3_saved(stdout, out)
+    assert all(r["run"] == "None" for r in ranks), "tracking is off: the call has no MLflow run"
+    strays = [p.name for p in tmp_path.iterdir() if p.name in ("mlflow.db", "mlruns")]
+    assert not strays, f"an untracked call left an MLflow store in its working folder: {strays}"
 
 
 def check_calls_run(ranks: list[dict]):

@@ -83,7 +83,7 @@ def axolotl_config(model_path: str, dataset_path: str, output_dir: str, max_step
         "logging_steps": 1,
         "save_strategy": "no",
         "output_dir": output_dir,
-        "use_mlflow": report_to == "mlflow",
+        "use_mlflow": recipe.report_to(report_to) == "mlflow",
         "seed": 0,
     }
 

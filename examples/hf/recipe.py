@@ -48,10 +48,11 @@ def command_line(doc: str, *, model: str, output_dir: str, max_steps: int, tiny_
                              f"{tiny_max_length}); longer examples are truncated")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes, one per GPU (default: every GPU; 2 CPU processes without)")
-    parser.add_argument("--report-to", default=default_report_to(),
-                        help="Trainer's report_to (default: mlflow when installed: it logs into "
-                             "the MLflow run gpufleet creates for the call; with none, gpufleet's "
-                             "callback logs the metrics there)")
+    parser.add_argument("--report-to", default="auto",
+                        help="Trainer's report_to; auto (the default): mlflow when gpufleet tracks "
+                             "the call in MLflow (the Trainer logs into the call's run), none when "
+                             "it does not (no MLflow store of the Trainer's own); with none, "
+                             "gpufleet's callback logs the metrics into the call's run")
     parser.set_defaults(full_max_steps=max_steps, tiny_max_steps=tiny_steps,
                         full_learning_rate=learning_rate, tiny_learning_rate=tiny_learning_rate,
                         full_max_length=max_length, tiny_max_length=tiny_max_length)
@@ -90,8 +91,13 @@ def argv(tiny: bool = False, **options) -> list[str]:
     return line
 
 
-def default_report_to() -> str:
-    return "mlflow" if importlib.util.find_spec("mlflow") is not None else "none"
+def report_to(choice: str) -> str:
+    """On a rank: the Trainer's report_to for --report-to CHOICE. gpufleet hands a tracked
+    call's MLflow run to every rank as MLFLOW_RUN_ID; without it (MLflow not installed, or
+    tracking off) the Trainer's MLflow callback would make a store in the working folder."""
+    if choice != "auto":
+        return choice
+    return "mlflow" if os.environ.get("MLFLOW_RUN_ID") else "none"
 
 
 def on_gpu() -> bool:

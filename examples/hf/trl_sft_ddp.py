@@ -79,7 +79,7 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
         max_length=max_length,
         logging_steps=1,
         save_strategy="no",  # the final adapter, saved below (and a checkpoint if stopped)
-        report_to=report_to,
+        report_to=recipe.report_to(report_to),
         **recipe.precision(),
     )
     fleet = GpufleetCallback()  # heartbeats, metrics to the call, save-and-stop on SIGTERM

@@ -94,7 +94,7 @@ def train(model_path: str, dataset_path: str, output_dir: str, max_steps: int,
         save_total_limit=2,
         max_length=max_length,
         logging_steps=1,
-        report_to=report_to,
+        report_to=recipe.report_to(report_to),
         **recipe.deepspeed_precision(),  # bf16 on GPU
     )
     model = AutoModelForCausalLM.from_pretrained(model_path, **recipe.model_options(model_path))
