@@ -401,7 +401,7 @@ class PendingTracking:
 
     def _warn(self, why: str) -> None:
         if not self._warned:
-            log.info(f"this call is not tracked in MLflow ({why})")
+            log.warning(f"this call is not tracked in MLflow ({why})")  # tracking was on: news
             self._warned = True
 
 
