@@ -294,9 +294,27 @@ def log_model(begun: dict, trainer, name: str | None) -> str | None:
             {"model": model, "tokenizer": tokenizer}, task="text-generation",
             # What the model needs, named: otherwise MLflow loads it again in a new process
             # to find out which packages it imports.
-            pip_requirements=mlflow.transformers.get_default_pip_requirements(model), **options)
+            pip_requirements=pip_requirements(model), **options)
     print(f"logged the trained model into MLflow run {run_id} as {name!r}", flush=True)
     return f"runs:/{run_id}/{name}"
+
+
+def pip_requirements(model) -> list[str]:
+    """The packages a logged model needs, pinned to the installed versions: MLflow's default
+    list for the transformers flavour. MLflow names torchvision in it for every torch model and
+    fails where torchvision is not installed (common beside an LLM): the same list without it."""
+    import mlflow.transformers
+
+    try:
+        return mlflow.transformers.get_default_pip_requirements(model)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torchvision":
+            raise
+    from importlib.metadata import version
+
+    names = ["transformers", "torch"] + ["accelerate"] * bool(importlib.util.find_spec("accelerate"))
+    names += ["peft"] * hasattr(model, "peft_config")
+    return [f"{name}=={version(name).split('+')[0]}" for name in names]
 
 
 def report(results: list[dict], elapsed: float) -> None:
