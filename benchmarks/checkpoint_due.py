@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,11 +86,9 @@ def main() -> None:
     for r in sorted(ranks, key=lambda r: r["rank"]):
         lines.append(f"| {r['rank']} | {statistics.median(r['due']):.3f} | {percentile(r['due'], 0.9):.3f} | "
                      f"{statistics.median(r['waited']):.3f} | {percentile(r['waited'], 0.9):.3f} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
+    print("\n".join(lines))
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+        Path(args.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
