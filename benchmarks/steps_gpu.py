@@ -2,9 +2,10 @@
 
     python benchmarks/steps_gpu.py                 # every GPU of the machine
     python benchmarks/steps_gpu.py --gpus 2 --slow-ms 40
+    python benchmarks/steps_gpu.py --strategy zero3   # DeepSpeed's trainer (pip install deepspeed)
 
 One call trains a small decoder (``models.py``, 124M config, shorter sequences) with
-``gpufleet.strategies`` ("fsdp") from a ``gpufleet.data`` loader over token files written
+``gpufleet.strategies`` (``--strategy``, default "fsdp") from a ``gpufleet.data`` loader over token files written
 here, with no telemetry code in the loop. With two or more GPUs, the last rank sleeps
 ``--slow-ms`` before each forward pass, as a throttled GPU or a slow host would make it late.
 The script prints the call's own per-rank summary (the table gpufleet prints at the end), then
@@ -34,7 +35,7 @@ from gpufleet import distributed, runtime  # noqa: E402
 
 
 @distributed(timeout=900)
-def train(folder: str, steps: int, slow_ms: float, config_name: str) -> dict:
+def train(folder: str, steps: int, slow_ms: float, config_name: str, strategy: str) -> dict:
     import dataclasses
     import time
 
@@ -46,7 +47,7 @@ def train(folder: str, steps: int, slow_ms: float, config_name: str) -> dict:
     device = runtime.setup()
     dataset = data.FileDataset(f"{folder}/tokens-*.pt", transform=torch.load)
     loader = data.loader(dataset, batch_size=config.batch, num_workers=2)
-    prepared = strategies.prepare(Decoder(config), lambda p: torch.optim.AdamW(p, lr=3e-4), "fsdp")
+    prepared = strategies.prepare(Decoder(config), lambda p: torch.optim.AdamW(p, lr=3e-4), strategy)
     slow = runtime.get_world_size() > 1 and runtime.get_global_rank() == runtime.get_world_size() - 1
     epoch = 0
     while prepared.optimizer_steps < steps:
@@ -74,6 +75,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--slow-ms", type=float, default=40.0)
     parser.add_argument("--config", default="124m", choices=sorted(CONFIGS), help="tiny: a CPU smoke test")
+    parser.add_argument("--strategy", default="fsdp", choices=["ddp", "fsdp", "zero2", "zero3"])
     args = parser.parse_args()
 
     config = CONFIGS[args.config]
@@ -83,7 +85,7 @@ def main() -> int:
         for i in range(256):  # one sample per file, as a tokenised shard of one document would be
             torch.save(torch.randint(0, config.vocab, (257,)), f"{folder}/tokens-{i:04d}.pt")
         fn = train.options(gpus=args.gpus)
-        values = fn.distributed(folder, args.steps, args.slow_ms, args.config)
+        values = fn.distributed(folder, args.steps, args.slow_ms, args.config, args.strategy)
         attempt = fn.last_run
     world = len(values)
     summary = json.loads((attempt / "steps.json").read_text())
@@ -108,7 +110,7 @@ def main() -> int:
         checks[f"rank {slow} is the straggler"] = summary["straggler"] == slow
         checks[f"late by about {args.slow_ms:g} ms"] = abs(late[slow] * 1000 - args.slow_ms) < args.slow_ms / 2
         checks["gpufleet status names it"] = (status["straggler"] or {}).get("rank") == slow
-    print(f"\n{world} x {values[0]['gpu']}, {args.steps} steps; run folder {attempt}")
+    print(f"\n{world} x {values[0]['gpu']}, {args.strategy}, {args.steps} steps; run folder {attempt}")
     for row in summary["ranks"]:
         peak = row.get("gpu_memory_peak_bytes")
         print(f"  rank {row['rank']}: median step {row['median_step_s'] * 1000:.1f} ms, forward pass "
