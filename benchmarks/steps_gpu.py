@@ -91,9 +91,11 @@ def main() -> int:
     summary = json.loads((attempt / "steps.json").read_text())
     windows = [json.loads(line) for path in sorted((attempt / "steps").glob("rank-*.jsonl"))
                for line in path.read_text().splitlines()]
-    status = json.loads(subprocess.run(
-        [sys.executable, "-m", "gpufleet", "status", "--json", attempt.parent.name],
-        capture_output=True, text=True, check=True).stdout)["steps"]
+    shown = subprocess.run([sys.executable, "-m", "gpufleet", "status", "--json", attempt.parent.name],
+                           capture_output=True, text=True)
+    if shown.returncode != 0:
+        print(f"gpufleet status --json exited {shown.returncode}:\n{shown.stderr}")
+    status = json.loads(shown.stdout)["steps"] if shown.returncode == 0 else {"step": None, "straggler": None}
 
     checks = {
         "every rank counted every optimizer step": all(r["steps"] == args.steps for r in summary["ranks"]),
