@@ -16,6 +16,7 @@ fixture.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 from pathlib import Path
@@ -173,15 +174,33 @@ def test_trl_deepspeed_notebook_gathers_the_zero3_partitions_and_logs_the_whole_
     assert "peft_adaptor" not in flavor, "a full fine-tune logs the whole model"
 
 
-# Not importorskip: importing Unsloth patches transformers and TRL in the importing process.
-@pytest.mark.skipif(importlib.util.find_spec("unsloth") is None, reason=(
+# Unsloth, installed without its dependencies into a folder of its own (.ci/run makes one), put
+# on the notebook's path only: importing Unsloth patches transformers and TRL in the importing
+# process, so the other tests never see it.
+UNSLOTH_SITE = os.environ.get("UNSLOTH_SITE")
+
+
+def unsloth_path() -> str | None:
+    """Where Unsloth can be imported from: "" when this environment has it, UNSLOTH_SITE when
+    that folder holds it, else None."""
+    if importlib.util.find_spec("unsloth") is not None:  # a spec, not an import
+        return ""
+    if UNSLOTH_SITE and (Path(UNSLOTH_SITE) / "unsloth").is_dir():
+        return UNSLOTH_SITE
+    return None
+
+
+@pytest.mark.skipif(unsloth_path() is None, reason=(
     "unsloth is not installed: `pip install unsloth` (2026.10.9) would replace this environment's "
     "transformers, TRL and datasets with the older ones it pins (<= 5.17, <= 1.15, < 5). Installed "
     "without its dependencies, beside this environment's, it runs here on CPU with its fallback: "
-    "pip install --no-deps --target DIR unsloth==2026.10.9 unsloth_zoo==2026.10.9; PYTHONPATH=DIR"))
+    "pip install --no-deps --target DIR unsloth==2026.10.9 unsloth_zoo==2026.10.9; UNSLOTH_SITE=DIR"))
 @needs_mlflow
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S + 60)
-def test_unsloth_notebook_trains_a_lora_adapter_and_logs_it(hf_env):
+def test_unsloth_notebook_trains_a_lora_adapter_and_logs_it(hf_env, monkeypatch):
+    if unsloth_path():  # the kernel, and the ranks it starts, import it from there
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [unsloth_path(),
+                                                                       os.environ.get("PYTHONPATH")])))
     text, here = run_notebook("unsloth.ipynb", hf_env)
 
     run_id = check_training(text, here / "unsloth_ddp", "MULTI_CPU")
