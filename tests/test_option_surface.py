@@ -97,7 +97,7 @@ def test_durations_and_torchrun_flags_on_the_command_line(tmp_path):
     assert "must not finish" not in proc.stdout
     # the error spells the option as the command line does, and so does its fix
     assert "timed out after --timeout 3 s" in proc.stderr, explain(proc)
-    assert "give a larger --timeout (--timeout none: no limit)" in proc.stderr, explain(proc)
+    assert "give a larger --timeout, or --timeout none for no limit" in proc.stderr, explain(proc)
 
     proc = cli(tmp_path, "run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
                "--max-restarts", "0", "--local-ranks-filter", "1", "--no-tracking", "reporter.py")
@@ -111,6 +111,9 @@ def test_durations_in_a_workload_file_and_flags_that_override_its_fields(tmp_pat
           "tracking: false\nlogs: RANK0\n")
     proc = cli(tmp_path, "--runs-dir", tmp_path / "runs", "submit", "w.yaml", "--follow")
     assert proc.returncode == 124, explain(proc)
+    # the run is supervised in the background, and its error still names the file's field
+    assert "timed out after field 'timeout': 3 s" in proc.stderr, explain(proc)
+    assert "give a larger field 'timeout', or field 'timeout': null for no limit" in proc.stderr, explain(proc)
 
     write(tmp_path / "reporter.py", REPORTER)
     write(tmp_path / "r.yaml", "script: reporter.py\ngpus: 1\ntimeout: 2h\ntracking: false\n")

@@ -119,7 +119,8 @@ def cmd_submit(args) -> int:
         env[_environ.PARAMETERS] = str(work.parameters_file)
     given, spelled = flags.options_from(args)  # flags override the file's fields
     env = {**env, **given.pop("env", {})}
-    with _naming(work.path), speaking(Surface.FILE if not given else Surface.CLI, spelled):
+    surface = Surface.FILE if not given else Surface.CLI  # the flags, where any was given
+    with _naming(work.path), speaking(surface, spelled):
         if args.runs_dir:
             work.options["runs_dir"] = args.runs_dir
         options = RunOptions.create(**{**work.options, **given}, env=env, detach=True)
@@ -130,7 +131,7 @@ def cmd_submit(args) -> int:
     }
     fn, fn_args = entries[work.entry]
     name = Path(work.target).stem if work.entry == "script" else work.path.stem
-    with _naming(work.path), speaking(Surface.FILE):  # e.g. more gpus than this machine has
+    with _naming(work.path), speaking(surface, spelled):  # e.g. more gpus than this machine has
         call = execution.Call.prepare(
             fn, fn_args, {}, options, name, str(work.path), kind=work.entry, params=work.parameters,
         )

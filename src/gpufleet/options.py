@@ -100,6 +100,13 @@ def speaking(surface: Surface, flags: Mapping[str, str] | None = None) -> Iterat
         _surface.reset(token)
 
 
+def surface_in_use() -> tuple[Surface, dict[str, str]]:
+    """The surface errors speak now, and its flags: kept with a call that runs in another
+    process (a background supervisor), which speaks it there too (``speaking(*surface)``)."""
+    surface, flags = _surface.get()
+    return surface, dict(flags)
+
+
 _BARE = object()
 
 
@@ -129,7 +136,7 @@ def spell_seconds(name: str, seconds: float | None) -> str:
 
 def _a(noun: str) -> str:
     """``noun`` after its article: ``an int``, ``a list``."""
-    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+    return f"{'an' if noun[:1].lower() in 'aeio' else 'a'} {noun}"
 
 
 def choices(values: Sequence[str]) -> str:

@@ -21,6 +21,7 @@ from gpufleet import _environ, _process
 from gpufleet._log import log
 from gpufleet.errors import RunCancelledError
 from gpufleet.launchers import devices
+from gpufleet.options import speaking
 from gpufleet.payload import load_private
 from gpufleet.runs import execution
 from gpufleet.runs.records import Record
@@ -50,7 +51,8 @@ def main(argv: list[str]) -> int:
         record.end(exc)
         raise
     try:
-        execution.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
+        with speaking(*call.surface):  # errors name options as the caller wrote them
+            execution.execute(call, record, ticket=devices.adopt(ticket) if ticket else None)
     except (KeyboardInterrupt, RunCancelledError):
         log.info(f"run {record.id} cancelled")
         return 130

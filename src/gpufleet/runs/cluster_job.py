@@ -33,6 +33,7 @@ from gpufleet._log import log
 from gpufleet.errors import GpufleetError, RunCancelledError
 from gpufleet.launchers import place
 from gpufleet.launchers.ray import check_submitter
+from gpufleet.options import speaking
 from gpufleet.runs import execution, records
 from gpufleet.runs.cluster import CALL_FILE, ORIGIN_FILE, OUTCOME_EVENT, RECORD_EVENT, SECRETS_FILE
 from gpufleet.runs.records import Record
@@ -68,7 +69,8 @@ def main(argv: list[str]) -> int:
         options = call.options.replace(ray_address=None, logs="all", detach=False)
         call.options = options.with_secrets(secrets)
         call.placement = place(call.options)  # this cluster, as its driver (RAY_ADDRESS)
-        outcome = {"values": execution.execute(call, record)}
+        with speaking(*call.surface):  # errors name options as the caller wrote them
+            outcome = {"values": execution.execute(call, record)}
     except (KeyboardInterrupt, RunCancelledError) as exc:
         outcome, code = {"error": record.cancelled() if isinstance(exc, KeyboardInterrupt) else exc}, 130
     except BaseException as exc:

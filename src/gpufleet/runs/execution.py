@@ -21,7 +21,7 @@ from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError
 from gpufleet.launchers import devices, template, warm
 from gpufleet.launchers.base import Launcher
 from gpufleet.launchers.hardware import Placement
-from gpufleet.options import RunOptions, check_world
+from gpufleet.options import RunOptions, Surface, check_world, surface_in_use
 from gpufleet.payload import dump_call, free_space_note, write_private
 from gpufleet.runs.records import Record
 from gpufleet.tracking import PendingTracking, callers_run
@@ -42,6 +42,9 @@ class Call:
     params: dict[str, Any] = field(default_factory=dict)  # more MLflow params (a workload's)
     called_at: float = field(default_factory=time.time)
     caller_run: str | None = None  # the MLflow run the caller was in: the call's run nests in it
+    # how the caller wrote its options (Python, the command line, a workload file), for the
+    # errors of a run supervised elsewhere: speaking(*call.surface)
+    surface: tuple[Surface, dict[str, str]] = (Surface.PYTHON, {})
 
     @classmethod
     def prepare(cls, fn: Callable, args: tuple, kwargs: dict, options: RunOptions, name: str,
@@ -64,6 +67,7 @@ class Call:
             check_world(options, placement.nprocs)
             payload = dump_call(fn, args, kwargs)
         more.setdefault("caller_run", callers_run())
+        more.setdefault("surface", surface_in_use())
         return cls(options.name or name, function, payload, placement, options, **more)
 
     def record(self, **fields) -> Record:

@@ -47,7 +47,7 @@ def hung(job: Job, options: RunOptions) -> RunHangError:
         f"no progress for {spell_seconds('hang_timeout', options.hang_timeout)} (no output and no "
         f"runtime.heartbeat() on any rank); stopped all {job.world_size} ranks. {found}.{nccl} "
         f"If the silence was expected, call runtime.heartbeat() or give a larger {spell('hang_timeout')} "
-        f"({spell('hang_timeout', None)}: off)"
+        f"({spell('hang_timeout', None)} turns the check off)"
     )
     return RunHangError(failures, run_dir=job.attempt.path, world_size=job.world_size, headline=headline)
 
@@ -114,7 +114,7 @@ def timed_out(job: Job, options: RunOptions) -> RunTimeoutError:
     ]
     headline = (
         f"timed out after {spell_seconds('timeout', options.timeout)} and stopped all "
-        f"{job.world_size} ranks; give a larger {spell('timeout')} ({spell('timeout', None)}: no limit)"
+        f"{job.world_size} ranks; give a larger {spell('timeout')}, or {spell('timeout', None)} for no limit"
     )
     return RunTimeoutError(
         running, run_dir=job.attempt.path, world_size=job.world_size, headline=headline
