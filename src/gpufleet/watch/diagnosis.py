@@ -48,8 +48,7 @@ class Frame:
         )
 
     def is_library(self) -> bool:
-        return (any(m in self.file for m in _LIBRARY_MARKERS) or "/lib/python3" in self.file
-                or self.file.startswith("<frozen "))  # the standard library's frozen modules (runpy)
+        return any(m in self.file for m in _LIBRARY_MARKERS) or "/lib/python3" in self.file
 
 
 @dataclass(frozen=True)
