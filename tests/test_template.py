@@ -255,7 +255,8 @@ def test_a_template_that_closes_as_it_is_asked_counts_as_stale_not_broken():
 
     ours, theirs = socket.socketpair()
     theirs.close()
-    assert template._ask(ours, {"kind": "script"}, []) is None
+    forked, why = template._ask(ours, {"kind": "script"}, [])
+    assert forked is None and why.startswith("it closed the connection"), why
 
 
 def test_a_call_that_cannot_use_the_template_starts_cold_and_says_why_once(run_script, tmp_path):

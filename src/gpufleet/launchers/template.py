@@ -104,10 +104,10 @@ def _forked(kind: str, argv: list[str], env: dict[str, str], streams: list[int],
         }
         for _ in range(2):  # a stale or closing template: once more, with a new one
             conn = _connect(key, fingerprint, env)
-            forked = _ask(conn, request, streams)
+            forked, why = _ask(conn, request, streams)
             if forked is not None:
                 return forked
-        _cold("the kept template refused twice")
+        _cold(f"the kept template did not take the call twice (the second time, {why})")
     except TemplateUnavailable as exc:
         _cold(str(exc))
     return None
@@ -322,20 +322,21 @@ def _start_template(home: Path, key: str, fingerprint: str, env: dict[str, str])
     return server
 
 
-def _ask(conn: socket.socket, request: dict, streams: list[int]) -> Forked | None:
-    """Send the request; the process the template forked, or None when it refused (stale) or
-    closed the connection as it was asked (it was exiting: idle, or stale for another caller)."""
+def _ask(conn: socket.socket, request: dict, streams: list[int]) -> tuple[Forked | None, str]:
+    """Send the request: the process the template forked, or None and why not, when it refused
+    (stale) or closed the connection as it was asked (it was exiting: idle, or stale for
+    another caller), which a new template may not do."""
     with conn:
         try:
             wire.send(conn, request, streams)
             answer, _ = wire.receive(conn)
-        except ConnectionError:  # reset, broken pipe, or closed in the middle of the answer
-            return None
+        except ConnectionError as exc:  # reset, broken pipe, or closed in the middle of the answer
+            return None, f"it closed the connection: {exc}"
         except (OSError, ValueError) as exc:
             raise TemplateUnavailable(f"the kept template did not answer: {exc}") from exc
         if answer is None or "pid" not in answer:
-            return None
-        return Forked(conn.dup(), int(answer["pid"]))
+            return None, f"it refused: {(answer or {}).get('refused', 'it closed the connection')}"
+        return Forked(conn.dup(), int(answer["pid"])), ""
 
 
 def _is_template(pid: object) -> bool:
