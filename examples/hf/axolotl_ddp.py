@@ -83,7 +83,7 @@ def axolotl_config(model_path: str, dataset_path: str, output_dir: str, max_step
         "logging_steps": 1,
         "save_strategy": "no",
         "output_dir": output_dir,
-        "use_mlflow": recipe.report_to(report_to) == "mlflow",
+        "use_mlflow": report_to,  # --report-to: auto, mlflow or none; train() decides on the rank
         "seed": 0,
     }
 
@@ -123,6 +123,8 @@ def train(config: dict, log_model: str | None = None) -> dict:
     from axolotl.utils.dict import DictDefault
 
     begun = recipe.begin()
+    if isinstance(config["use_mlflow"], str):  # "auto" means mlflow when this call is tracked
+        config = {**config, "use_mlflow": recipe.report_to(config["use_mlflow"]) == "mlflow"}
     if not recipe.on_gpu():
         cpu_world()
     cfg = load_cfg(DictDefault(config))
