@@ -186,7 +186,7 @@ def fit(out: str, size: str = "full", epochs: int | None = None) -> tuple[TwoTow
     train_set, val_set = make_interactions(cfg["users"], cfg["items"], cfg["interactions"])
     # Plain DataLoaders: Lightning adds a DistributedSampler to each, since it knows the world.
     # collate_fn=tuple: the batch comes out of Interactions already made.
-    batch_size = cfg["batch_size"] // runtime.get_world_size()  # this rank's share
+    batch_size = max(1, cfg["batch_size"] // runtime.get_world_size())  # this rank's share
     train_loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True,
                               collate_fn=tuple)
     val_loader = DataLoader(val_set, batch_size=4 * batch_size, collate_fn=tuple)

@@ -155,3 +155,30 @@ def check_zero3_saved(text: str, out: Path) -> None:
         "each checkpoint holds DeepSpeed's partitioned optimizer state"
     eval_loss = float(re.search(r"last eval loss ([\d.]+)", text)[1])
     assert eval_loss < 5.5, f"the held-out loss fell too: {eval_loss}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlflow") is None, reason="logging a model needs MLflow")
+def test_a_model_is_logged_with_its_requirements_where_torchvision_is_missing(monkeypatch):
+    """MLflow's transformers flavour names torchvision among every torch model's requirements
+    and fails (ModuleNotFoundError) where it is not installed, as beside many LLM stacks: the
+    examples then pin what the model does need."""
+    import mlflow.transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "hf"))
+    import recipe
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2))
+    if importlib.util.find_spec("torchvision") is not None:  # MLflow's own list, then
+        assert any(r.startswith("torchvision==") for r in recipe.pip_requirements(model))
+
+    def no_torchvision(model):
+        raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+
+    monkeypatch.setattr(mlflow.transformers, "get_default_pip_requirements", no_torchvision)
+    needs = recipe.pip_requirements(model)
+    assert [r.split("==")[0] for r in needs][:2] == ["transformers", "torch"], needs
+    assert all(re.fullmatch(r"[\w-]+==\d[\w.]*", r) for r in needs), "pinned, without local labels"
+    assert not any(r.startswith("torchvision") for r in needs), needs
