@@ -8,6 +8,7 @@ parent died.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import re
@@ -360,3 +361,23 @@ def extensions_cache(request, tmp_path) -> str:
         return os.environ["TORCH_EXTENSIONS_DIR"]
     cache = getattr(request.config, "cache", None)
     return str(cache.mkdir("torch_extensions") if cache is not None else tmp_path / "extensions")
+
+
+def package_site(module: str, variable: str) -> str | None:
+    """Where `module` is imported from, for a framework whose pins conflict with the test extras
+    (Unsloth, Axolotl): installed without its dependencies into a folder of its own, named by
+    the environment variable `variable` (.ci/run makes them), and put on the path of the
+    processes that run it only. "" when this environment has it, that folder when it holds it,
+    None when neither (the test skips)."""
+    if importlib.util.find_spec(module) is not None:  # a spec: nothing imported here
+        return ""
+    folder = os.environ.get(variable)
+    return folder if folder and (Path(folder) / module).is_dir() else None
+
+
+def first_on_path(folder: str | None, env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with `folder` first on PYTHONPATH, when there is one."""
+    env = dict(os.environ if env is None else env)
+    if folder:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
+    return env

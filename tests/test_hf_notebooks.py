@@ -16,7 +16,6 @@ fixture.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 from pathlib import Path
@@ -25,7 +24,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
-from support import EXAMPLES, extensions_cache
+from support import EXAMPLES, extensions_cache, first_on_path, package_site
 from test_hf_examples import check_zero3_saved
 from test_notebook import KERNEL, kernel_env  # noqa: F401 (kernel_env: a fixture)
 
@@ -174,23 +173,12 @@ def test_trl_deepspeed_notebook_gathers_the_zero3_partitions_and_logs_the_whole_
     assert "peft_adaptor" not in flavor, "a full fine-tune logs the whole model"
 
 
-# Unsloth, installed without its dependencies into a folder of its own (.ci/run makes one), put
-# on the notebook's path only: importing Unsloth patches transformers and TRL in the importing
-# process, so the other tests never see it.
-UNSLOTH_SITE = os.environ.get("UNSLOTH_SITE")
+# Unsloth, where it is not installed here: in UNSLOTH_SITE (support.package_site), on the
+# notebook's path only, since importing Unsloth patches transformers and TRL.
+UNSLOTH = package_site("unsloth", "UNSLOTH_SITE")
 
 
-def unsloth_path() -> str | None:
-    """Where Unsloth can be imported from: "" when this environment has it, UNSLOTH_SITE when
-    that folder holds it, else None."""
-    if importlib.util.find_spec("unsloth") is not None:  # a spec, not an import
-        return ""
-    if UNSLOTH_SITE and (Path(UNSLOTH_SITE) / "unsloth").is_dir():
-        return UNSLOTH_SITE
-    return None
-
-
-@pytest.mark.skipif(unsloth_path() is None, reason=(
+@pytest.mark.skipif(UNSLOTH is None, reason=(
     "unsloth is not installed: `pip install unsloth` (2026.10.9) would replace this environment's "
     "transformers, TRL and datasets with the older ones it pins (<= 5.17, <= 1.15, < 5). Installed "
     "without its dependencies, beside this environment's, it runs here on CPU with its fallback: "
@@ -198,9 +186,8 @@ def unsloth_path() -> str | None:
 @needs_mlflow
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S + 60)
 def test_unsloth_notebook_trains_a_lora_adapter_and_logs_it(hf_env, monkeypatch):
-    if unsloth_path():  # the kernel, and the ranks it starts, import it from there
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [unsloth_path(),
-                                                                       os.environ.get("PYTHONPATH")])))
+    if UNSLOTH:  # the kernel, and the ranks it starts, import it from there
+        monkeypatch.setenv("PYTHONPATH", first_on_path(UNSLOTH)["PYTHONPATH"])
     text, here = run_notebook("unsloth.ipynb", hf_env)
 
     run_id = check_training(text, here / "unsloth_ddp", "MULTI_CPU")
