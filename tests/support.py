@@ -375,9 +375,16 @@ def package_site(module: str, variable: str) -> str | None:
     return folder if folder and (Path(folder) / module).is_dir() else None
 
 
-def first_on_path(folder: str | None, env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: this process's) with `folder` first on PYTHONPATH, when there is one."""
-    env = dict(os.environ if env is None else env)
+def first_on_path(folder: str | None, env: dict[str, str]) -> dict[str, str]:
+    """`env` with `folder` first on PYTHONPATH, when there is one."""
+    env = dict(env)
     if folder:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))
     return env
+
+
+def first_on_path_here(folder: str | None, monkeypatch) -> None:
+    """`folder` first on PYTHONPATH of every process the test starts from now on (a notebook's
+    kernel, and the ranks it starts)."""
+    if folder:
+        monkeypatch.setenv("PYTHONPATH", first_on_path(folder, os.environ)["PYTHONPATH"])

@@ -21,7 +21,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from support import EXAMPLES, assert_all_gone, first_on_path, package_site, script_env
+from support import (EXAMPLES, assert_all_gone, first_on_path, first_on_path_here, package_site,
+                     script_env)
 from test_hf_examples import STEPS, check_calls_run, check_training, saved_tensors
 from test_hf_notebooks import check_logged_and_loaded, hf_env, run_notebook  # noqa: F401
 from test_hf_notebooks import check_training as check_notebook_training
@@ -69,8 +70,7 @@ def test_axolotl_trains_lora_with_sample_packing_in_one_gloo_world_and_saves_the
 @pytest.mark.timeout(SCRIPT_TIMEOUT_S + 60)
 def test_axolotl_notebook_trains_logs_the_adapter_to_the_calls_mlflow_run_and_loads_it(
         hf_env, monkeypatch):  # noqa: F811 (the imported fixture)
-    if AXOLOTL:  # the kernel, and the ranks it starts, import it from there
-        monkeypatch.setenv("PYTHONPATH", first_on_path(AXOLOTL)["PYTHONPATH"])
+    first_on_path_here(AXOLOTL, monkeypatch)  # the kernel, and the ranks it starts, import it from there
     text, here = run_notebook("axolotl.ipynb", hf_env)
 
     out = here / "axolotl_ddp"  # the notebook's OUTPUT_DIR, in its own folder

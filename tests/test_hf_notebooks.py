@@ -24,7 +24,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
-from support import EXAMPLES, extensions_cache, first_on_path, package_site
+from support import EXAMPLES, extensions_cache, first_on_path_here, package_site
 from test_hf_examples import check_zero3_saved
 from test_notebook import KERNEL, kernel_env  # noqa: F401 (kernel_env: a fixture)
 
@@ -186,8 +186,7 @@ UNSLOTH = package_site("unsloth", "UNSLOTH_SITE")
 @needs_mlflow
 @pytest.mark.timeout(NOTEBOOK_TIMEOUT_S + 60)
 def test_unsloth_notebook_trains_a_lora_adapter_and_logs_it(hf_env, monkeypatch):
-    if UNSLOTH:  # the kernel, and the ranks it starts, import it from there
-        monkeypatch.setenv("PYTHONPATH", first_on_path(UNSLOTH)["PYTHONPATH"])
+    first_on_path_here(UNSLOTH, monkeypatch)  # the kernel, and the ranks it starts, import it from there
     text, here = run_notebook("unsloth.ipynb", hf_env)
 
     run_id = check_training(text, here / "unsloth_ddp", "MULTI_CPU")
