@@ -146,9 +146,10 @@ class Server:
             if request is None:
                 raise ConnectionError("no request")
             if request.get("fingerprint") != self.fingerprint:
-                # another torch or gpufleet than this process imported: a new template serves
-                wire.send(conn, {"refused": "stale"})
+                # another torch or gpufleet than this process imported: a new template serves.
+                # Its socket goes first, so that the caller told so cannot reach this one again.
                 self._close()
+                wire.send(conn, {"refused": "stale"})
                 raise ConnectionError("stale")
             if request.get("kind") not in self.served:
                 raise ValueError(f"no such kind of process: {request.get('kind')!r}")
