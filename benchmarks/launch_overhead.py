@@ -16,6 +16,17 @@ medians and the ratio to torchrun, then gpufleet's calls phase by phase.
 Then the command line, side by side: `gpufleet run --gpus N job.py` (the kept template running,
 MLflow tracking on when MLflow is installed) against `torchrun --nproc-per-node N job.py`,
 interleaved, from command to exit. Every run uses a GPUFLEET_HOME of its own.
+
+Then a new script against the command line, each from a new process to its exit, interleaved,
+the kept template running: `python new_script.py` (imports torch, decorates the job with
+`@distributed(gpus=N)` and calls `.distributed()` once), `gpufleet run --gpus N job.py`, and
+`python -c "import torch, torch.distributed"` (the script's own torch: its import and its
+exit). The new script says when it passed each point (its interpreter started, torch and
+gpufleet imported, the call returned, the ranks' teardown waited for), so its extra time over
+`gpufleet run` splits into its own torch and what gpufleet does. Run it alone with
+`--scripts-only`:
+
+    python benchmarks/launch_overhead.py --nprocs 1 --reps 3 --scripts-only
 """
 
 from __future__ import annotations
@@ -37,6 +48,45 @@ import time
 LAUNCHERS = ("gpufleet-first", "gpufleet-template", "gpufleet-cold", "gpufleet-warm", "torchrun", "mp.spawn",
              "notebook_launcher", "ray-train")
 COMMANDS = ("gpufleet run", "torchrun")
+SCRIPTS = ("new script, first @distributed call", "gpufleet run", "python -c 'import torch'")
+T0 = "LAUNCH_OVERHEAD_T0"  # the wall time a new script was started at, for its marks
+
+# A new script, as a user writes it: its own torch, the decorator, one call. It prints when it
+# passed each point, in seconds since it was started (T0), as its last line of stderr.
+NEW_SCRIPT = """
+import json, os, sys, threading, time
+T0 = float(os.environ["{t0}"])
+marks = {{"interpreter started": time.time() - T0}}
+import torch
+import torch.distributed as dist
+marks["torch imported"] = time.time() - T0
+from gpufleet import distributed
+marks["gpufleet imported"] = time.time() - T0
+
+
+@distributed(gpus={nprocs}, logs="none")
+def job():
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device)
+    value = torch.ones(1, device=device or "cpu")
+    dist.all_reduce(value)
+    result = value.item()
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    assert job.distributed() == [float({nprocs})] * {nprocs}
+    marks["call returned"] = time.time() - T0
+    for thread in threading.enumerate():  # what the interpreter's exit waits for first
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    marks["ranks' teardown waited for"] = time.time() - T0
+    print(json.dumps(marks), file=sys.stderr)
+"""
 
 
 def job() -> float:
@@ -184,6 +234,56 @@ def commands(nprocs: int, reps: int) -> dict[str, list[float]]:
     return times
 
 
+def scripts(nprocs: int, reps: int) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
+    """A new script's first decorator call, ``gpufleet run`` and ``import torch``, each a new
+    process timed from its start to its exit, interleaved, the kept template running; and the
+    new script's marks, ``exit`` the last."""
+    with tempfile.TemporaryDirectory() as home:
+        script = os.path.join(home, "new_script.py")
+        with open(script, "w") as f:
+            f.write(NEW_SCRIPT.format(t0=T0, nprocs=nprocs))
+        commands = dict(zip(SCRIPTS, (
+            [sys.executable, script],
+            [sys.executable, "-m", "gpufleet", "-q", "run", "--gpus", str(nprocs), __file__, "--torchrun-job"],
+            [sys.executable, "-c", "import torch, torch.distributed"],
+        )))
+        env = {**os.environ, "GPUFLEET_HOME": home}
+        env.pop("GPUFLEET_TEMPLATE", None)
+        subprocess.run(commands["gpufleet run"], env=env, check=True, capture_output=True)  # the template starts
+        times: dict[str, list[float]] = {name: [] for name in SCRIPTS}
+        marks = []
+        for _ in range(reps):
+            for name, cmd in commands.items():
+                started = time.time()
+                proc = subprocess.run(cmd, env={**env, T0: repr(started)}, check=True, capture_output=True, text=True)
+                times[name].append(time.time() - started)
+                if cmd[1] == script:
+                    marks.append({**json.loads(proc.stderr.strip().splitlines()[-1]), "exit": times[name][-1]})
+        _stop_templates(env)
+    return times, marks
+
+
+def scripts_table(nprocs: int, reps: int) -> list[str]:
+    times, marks = scripts(nprocs, reps)
+    tracked = "on" if importlib.util.find_spec("mlflow") else "off (MLflow is not installed)"
+    lines = [f"A new script against the command line, {nprocs} process(es), each a new process from its start "
+             f"to its exit, interleaved, the kept template running, MLflow tracking {tracked}:", "",
+             "| process | median s | min s | max s |", "|---|---|---|---|"]
+    lines += [f"| {name} | {statistics.median(t):.2f} | {min(t):.2f} | {max(t):.2f} |" for name, t in times.items()]
+    phases = {}
+    for point, before in zip(marks[0], [None, *marks[0]]):
+        label = point if point != "exit" else "interpreter exit"
+        phases[label] = statistics.median(m[point] - (m[before] if before else 0.0) for m in marks)
+    own = phases["torch imported"] + phases["interpreter exit"]
+    ours = phases["gpufleet imported"] + phases["call returned"] + phases["ranks' teardown waited for"]
+    lines += ["", "Where the new script's time goes (median s; each phase from the point before):", "",
+              "| phase | s |", "|---|---|", *(f"| {label} | {at:.2f} |" for label, at in phases.items()), "",
+              f"Its own torch (the import, and the interpreter's exit that unloads it): {own:.2f} s. gpufleet's "
+              f"part (its import, the call, the ranks' teardown): {ours:.2f} s, against "
+              f"{statistics.median(times['gpufleet run']):.2f} s for the whole `gpufleet run`."]
+    return lines
+
+
 def hardware() -> str:
     import torch
 
@@ -196,7 +296,11 @@ def hardware() -> str:
             f"Python {platform.python_version()}; torch {torch.__version__}")
 
 
-def report(nprocs: int, reps: int, launchers: list[str], with_commands: bool) -> str:
+def report(nprocs: int, reps: int, launchers: list[str], with_commands: bool, scripts_only: bool = False) -> str:
+    if scripts_only:
+        return "\n".join([f"# Launch overhead of a new script, {reps} repetitions", "",
+                          f"- date: {datetime.date.today().isoformat()}", f"- hardware: {hardware()}",
+                          f"- command: python {' '.join(sys.argv)}", "", *scripts_table(nprocs, reps)]) + "\n"
     rows, medians, phases = [], {}, {}
     for launcher in launchers:
         measured = measure(launcher, nprocs, reps)
@@ -231,6 +335,7 @@ def report(nprocs: int, reps: int, launchers: list[str], with_commands: bool) ->
             ratio = statistics.median(times[name]) / statistics.median(times["torchrun"])
             lines.append(f"| {name} | {statistics.median(times[name]):.2f} | {min(times[name]):.2f} | "
                          f"{max(times[name]):.2f} | {ratio:.2f} |")
+        lines += ["", *scripts_table(nprocs, reps)]
     found = {name: calls for name, calls in phases.items() if calls}
     if found:
         names = list(found)
@@ -251,7 +356,10 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--launchers", default=",".join(LAUNCHERS))
-    parser.add_argument("--no-commands", action="store_true", help="leave out gpufleet run against torchrun")
+    parser.add_argument("--no-commands", action="store_true",
+                        help="leave out gpufleet run against torchrun, and against a new script")
+    parser.add_argument("--scripts-only", action="store_true",
+                        help="only a new script's first decorator call against gpufleet run")
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--torchrun-job", action="store_true", help=argparse.SUPPRESS)
@@ -262,7 +370,7 @@ def main() -> None:
     elif args.child:
         child(args.child, args.nprocs, args.reps)
     else:
-        table = report(args.nprocs, args.reps, args.launchers.split(","), not args.no_commands)
+        table = report(args.nprocs, args.reps, args.launchers.split(","), not args.no_commands, args.scripts_only)
         print(table)
         if args.out:
             with open(args.out, "w") as f:

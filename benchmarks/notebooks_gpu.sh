@@ -3,8 +3,8 @@
 # lightning and torchvision but no package registry: MLflow, nbclient and (for the TRL and
 # Unsloth notebooks) TRL, datasets, DeepSpeed, bitsandbytes and Unsloth are carried as wheels.
 # Each notebook runs top to bottom at the size its first cell picks there (the full size of
-# the scripts; the fine-tuning notebooks' tiny model, since no weights can be downloaded), one
-# rank per GPU.
+# the scripts; the fine-tuning notebooks' tiny model: GPUFLEET_EXAMPLE_SIZE=tiny unless set,
+# since on a GPU they default to the real size, docs/real-sizes.md), one rank per GPU.
 #
 #   here, with a registry, wheels for CPython 3.12 on x86-64 Linux (pip download --no-deps):
 #     .whl-lite/    mlflow-skinny, sqlalchemy, alembic, nbclient, nbformat, ipykernel,
@@ -37,6 +37,7 @@ fi
 for dir in "$TRL"/*/; do
     [[ -d $dir ]] && { install "/tmp/site-$(basename "$dir")" "$dir" || exit; }
 done
+export GPUFLEET_EXAMPLE_SIZE=${GPUFLEET_EXAMPLE_SIZE:-tiny}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 GPUFLEET_HOME=/tmp/gpufleet \
     MLFLOW_TRACKING_URI=sqlite:////tmp/mlflow.db
 

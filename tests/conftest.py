@@ -18,6 +18,36 @@ import pytest
 
 from support import (LEFTOVER_GRACE_S, DescendantSampler, Script, ScriptResult, describe,
                      is_template, kill_all, wait_gone)
+import suite
+
+
+def pytest_collection_modifyitems(config, items):
+    suite.order(items)
+
+
+def pytest_collection_finish(session):
+    """DeepSpeed's CPU collectives compile on first use (about 25 s, over a minute on a busy
+    machine): built here, before any test's time limit runs, where DeepSpeed's tests will run."""
+    if any(item.module and item.module.__name__ in suite.DEEPSPEED_MODULES for item in session.items):
+        suite.build_deepspeed_ops()
+
+
+def pytest_runtest_logreport(report):
+    suite.SKIPS.record(report)
+
+
+def pytest_collectreport(report):  # a module skipped whole (pytest.importorskip at its top)
+    suite.SKIPS.record(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    suite.SKIPS.summarise(terminalreporter.write_line)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    worker = hasattr(session.config, "workerinput")  # pytest-xdist: the controller decides
+    if not worker and suite.SKIPS.unmeant() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -33,9 +63,31 @@ def mlflow_store(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def suite_home(tmp_path_factory):
+    """Runs, records and templates of the tests go to a home of the session's (of each
+    pytest-xdist worker's), never the user's ~/.gpufleet nor a home another worker lists."""
+    import os
+
+    os.environ["GPUFLEET_HOME"] = str(tmp_path_factory.mktemp("gpufleet-home"))
+    yield os.environ["GPUFLEET_HOME"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def shared_template(tmp_path_factory):
+    """One kept template for every home of the session's (of each pytest-xdist worker's):
+    many tests have a home of their own, and each would start a template (an import of torch)
+    for a call or two. tests/test_template.py gives its tests their own."""
+    import os
+
+    os.environ["GPUFLEET_TEMPLATE_DIR"] = str(tmp_path_factory.getbasetemp() / "template")
+    yield os.environ["GPUFLEET_TEMPLATE_DIR"]
+
+
+@pytest.fixture(autouse=True, scope="session")
 def short_lived_templates():
     """Kept templates (one per GPUFLEET_HOME, and many tests have a home of their own) end
-    30 s after their last call rather than 15 minutes: a few live at a time, not dozens."""
+    30 s after their last call rather than 15 minutes: a few live at a time, not dozens.
+    (A template idle for a minute also gives way to two used since: tests/test_template.py.)"""
     import os
 
     os.environ.setdefault("GPUFLEET_TEMPLATE_IDLE", "30")
@@ -43,11 +95,13 @@ def short_lived_templates():
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes():
+def no_leftover_processes(tmp_path_factory):
     """Fail the test if it leaves any process it started (directly or not) running. A kept
     template is meant to outlive the calls it serves (tests/test_template.py checks that it
-    ends when idle); what it forks is checked as anything else."""
-    sampler = DescendantSampler()
+    ends when idle) and is no descendant of the test; what it forks for the test's calls is
+    checked as anything else when its run is under the session's temporary folder
+    (support.TemplateForks)."""
+    sampler = DescendantSampler(tmp_path_factory.getbasetemp())
     sampler.start()
     yield sampler
     sampler.stop()

@@ -52,7 +52,8 @@ OBJECT_STORE_BYTES = 200 * 2**20  # Ray's default is 30% of the machine's memory
 # it in this process when it is collected) makes Ray treat 127.0.0.1 as every process's node
 # address: across hosts that is wrong. The others would point a host at the caller's cluster.
 CALLER_ONLY = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS", "RAY_TMPDIR", "TMPDIR",
-               "RAY_NAMESPACE", "RAY_JOB_CONFIG_JSON_ENV_VAR")
+               "RAY_NAMESPACE", "RAY_JOB_CONFIG_JSON_ENV_VAR",
+               "GPUFLEET_TEMPLATE_DIR")  # a host is another machine: its templates are its own
 
 
 class Unavailable(Exception):

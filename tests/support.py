@@ -30,7 +30,7 @@ PYTHON = sys.executable
 # behind. A successful call returns its values while its ranks and agent exit (well under a
 # second when the machine is idle; a loaded 2-core machine takes longer).
 LEFTOVER_GRACE_S = 5.0
-SAMPLE_EVERY_S = 0.05
+SAMPLE_EVERY_S = 0.05  # a pass reads only the processes new since the last: well under a ms
 
 # Heavy optional dependencies that `import gpufleet` must not pull in.
 HEAVY_MODULES = ("ray", "deepspeed", "mlflow", "transformers", "lightning", "pytorch_lightning",
@@ -106,12 +106,113 @@ def assert_all_gone(procs, grace: float = LEFTOVER_GRACE_S, what: str = "process
     assert not left, f"{what} still running:\n" + "\n".join(map(describe, left))
 
 
-class DescendantSampler:
-    """Records every descendant of this process seen until stop()."""
+class TemplateForks:
+    """The processes kept templates forked for runs under ``root`` (this test session's
+    temporary folder), with their descendants: a template is no process's child, so its forks
+    are no descendants of the test. A fork is the session's when its command line (an agent's
+    names its run folder) or its output (an agent's log, a tracker's notes) is under ``root``.
+    Which processes are templates, and whose forks are the session's, is read once per process
+    from /proc."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = f"{root.resolve()}/"
+        self._template: dict[int, bool] = {}
+        self._ours: dict[int, bool] = {}
+
+    def find(self, table: ProcessTable) -> list[int]:
+        """The pids of the session's template forks and their descendants in ``table``."""
+        for cache in (self._template, self._ours):
+            for gone in set(cache) - set(table.parents):
+                del cache[gone]
+        found = []
+        for pid, parent in table.parents.items():
+            if self._is_template(parent) and self._is_ours(pid):
+                found += [pid, *table.descendants(pid)]
+        return found
+
+    def _is_template(self, pid: int) -> bool:
+        if pid not in self._template:
+            try:
+                self._template[pid] = _runs_template(psutil.Process(pid))
+            except psutil.Error:
+                return False
+        return self._template[pid]
+
+    def _is_ours(self, pid: int) -> bool:
+        if pid not in self._ours:
+            try:
+                command = " ".join(psutil.Process(pid).cmdline())
+                outputs = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in (1, 2)]
+            except (OSError, psutil.Error):
+                return False
+            if "gpufleet.launchers._template_server" in command:
+                return False  # just forked: not yet what it becomes (asked again next pass)
+            self._ours[pid] = any(self._root in text for text in [command, *outputs])
+        return self._ours[pid]
+
+
+class ProcessTable:
+    """Every process of the machine: its parent and its start time (clock ticks since boot:
+    with the pid, it names one process, never a later one that reuses the pid). ``refresh``
+    lists /proc and reads only the processes new since the last pass: a pid leaves the listing
+    when its process is reaped, and is not handed out again within a pass (32768 or more pids
+    in turn), so what was read of a listed pid still holds. A process whose parent ended keeps
+    the parent it had here: what matters is that it was seen while a descendant."""
 
     def __init__(self) -> None:
-        self.before = {(p.pid, p.create_time()) for p in descendants() if running(p)}
-        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        self.parents: dict[int, int] = {}
+        self.started: dict[int, int] = {}
+        self._children: dict[int, list[int]] = {}
+        self.refresh()
+
+    def refresh(self) -> ProcessTable:
+        listed = {int(name) for name in os.listdir("/proc") if name.isdigit()}
+        for gone in self.parents.keys() - listed:
+            del self.parents[gone], self.started[gone]
+        for pid in listed - self.parents.keys():
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as stat:
+                    fields = stat.read().rsplit(b")", 1)[1].split()  # after the command's name
+            except OSError:  # ended meanwhile
+                continue
+            self.parents[pid], self.started[pid] = int(fields[1]), int(fields[19])
+        self._children = {}
+        for pid, parent in self.parents.items():
+            self._children.setdefault(parent, []).append(pid)
+        return self
+
+    def descendants(self, pid: int) -> list[int]:
+        found, todo = [], list(self._children.get(pid, ()))
+        while todo:
+            child = todo.pop()
+            found.append(child)
+            todo += self._children.get(child, ())
+        return found
+
+    def remember(self, pids: list[int], into: dict[tuple[int, int], psutil.Process],
+                 skip: set[tuple[int, int]] = frozenset()) -> None:
+        """Put each of ``pids`` not yet ``into`` (nor in ``skip``) there, keyed by pid and
+        start time."""
+        for pid in pids:
+            key = (pid, self.started[pid])
+            if key not in into and key not in skip:
+                try:
+                    into[key] = psutil.Process(pid)
+                except psutil.Error:  # ended meanwhile
+                    pass
+
+
+class DescendantSampler:
+    """Records every descendant of this process seen until stop(), and what kept templates
+    forked for runs under ``root`` (``TemplateForks``). A pass over /proc every SAMPLE_EVERY_S:
+    a process is seen if it lives that long while still a descendant."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self._forks = TemplateForks(root) if root is not None else None
+        self._table = ProcessTable()
+        self.before = {(pid, self._table.started[pid]) for pid in self._pids(self._table)}
+        self.seen: dict[tuple[int, int], psutil.Process] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="leak-sampler", daemon=True)
 
@@ -120,17 +221,21 @@ class DescendantSampler:
             self.sample()
             self._stop.wait(SAMPLE_EVERY_S)
 
+    def _pids(self, table: ProcessTable) -> list[int]:
+        pids = table.descendants(os.getpid())
+        if self._forks is not None:
+            pids += self._forks.find(table)
+        return pids
+
     def sample(self) -> None:
-        for p in descendants():
-            try:
-                self.seen.setdefault((p.pid, p.create_time()), p)
-            except psutil.Error:
-                pass
+        with self._lock:  # the sampler's thread, and the test's at the end
+            table = self._table.refresh()
+            table.remember(self._pids(table), self.seen, skip=self.before)
 
     def started_since(self) -> list[psutil.Process]:
         """Processes seen that were not already running when the sampler was made."""
         self.sample()
-        return [p for key, p in self.seen.items() if key not in self.before]
+        return list(self.seen.values())
 
     def start(self) -> None:
         self._thread.start()
@@ -268,7 +373,8 @@ class Script:
         tag = time.monotonic_ns()
         self.out_path = tmp_path / f"script-{tag}.out"
         self.err_path = tmp_path / f"script-{tag}.err"
-        self.tree: dict[tuple[int, float], psutil.Process] = {}
+        self.tree: dict[tuple[int, int], psutil.Process] = {}
+        self._table = ProcessTable()
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.popen = subprocess.Popen(
                 [PYTHON, *map(str, argv)],
@@ -292,11 +398,8 @@ class Script:
         return self.err_path.read_text(errors="replace")
 
     def sample_tree(self) -> list[psutil.Process]:
-        for p in descendants(self.pid):
-            try:
-                self.tree.setdefault((p.pid, p.create_time()), p)
-            except psutil.Error:
-                pass
+        table = self._table.refresh()
+        table.remember(table.descendants(self.pid), self.tree)
         return list(self.tree.values())
 
     def wait_for_output(self, predicate, timeout: float) -> str:
@@ -310,7 +413,7 @@ class Script:
             if self.popen.poll() is not None:
                 pytest.fail(f"script exited ({self.popen.returncode}) before the expected "
                             f"output\n--- stdout:\n{out}\n--- stderr:\n{self.stderr()}")
-            time.sleep(0.05)
+            time.sleep(SAMPLE_EVERY_S)
         self.kill()
         pytest.fail(f"expected output not seen in {timeout} s\n--- stdout:\n{self.stdout()}\n"
                     f"--- stderr:\n{self.stderr()}")
@@ -323,7 +426,7 @@ class Script:
                 self.kill()
                 pytest.fail(f"script still running after {timeout} s\n--- stdout:\n"
                             f"{self.stdout()}\n--- stderr:\n{self.stderr()}")
-            time.sleep(0.05)
+            time.sleep(SAMPLE_EVERY_S)
         return ScriptResult(self.popen.returncode, self.stdout(), self.stderr(),
                             time.monotonic() - self.started, list(self.tree.values()))
 

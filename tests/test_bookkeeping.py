@@ -124,7 +124,9 @@ def test_a_queued_run_whose_folder_is_deleted_ends_without_starting(runs_dir, mo
     first = hold.submit(20)
     queued = hold.submit(1)
     deadline = time.monotonic() + 30
-    while not (first.status() == "running" and queued.status() == "queued"):
+    # queued, and its supervisor's pid recorded (a record is written a field at a time)
+    while not (first.status() == "running" and queued.status() == "queued"
+               and "supervisor" in queued.record()):
         assert time.monotonic() < deadline, (first.status(), queued.status())
         time.sleep(0.1)
     supervisor = psutil.Process(queued.record()["supervisor"]["pid"])

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -109,7 +110,7 @@ def pid_folder(tmp_path):
 
 
 def started(folder) -> list[int]:
-    return sorted(int(p.read_text()) for p in folder.glob("*.pid"))
+    return sorted(int(p.read_text()) for p in Path(folder).glob("*.pid"))
 
 
 @pytest.mark.parametrize("outcome", ["returns", "raises"])
@@ -118,7 +119,10 @@ def test_daemons_a_rank_started_are_gone_after_the_call(outcome, runs_dir, pid_f
     def with_daemons(folder, marker, fail):
         if runtime.get_global_rank() == 0:
             start_daemons(folder, marker)
-        if fail:
+        if fail:  # fail only once rank 0's daemons are up: a failure tears rank 0 down at once
+            deadline = time.monotonic() + STARTED_WITHIN_S
+            while len(list(Path(folder).glob("*.pid"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise RuntimeError("this rank fails after starting its daemons")
         return runtime.get_global_rank()
 

@@ -134,3 +134,20 @@ def test_position_saved_on_two_ranks_resumes_on_three_then_on_one_with_every_fil
         assert states.count(states[0]) == 3, f"{name}: ranks saved different positions {states}"
         chained = before[name] + _read(three, name, "before") + _read(one, name, "after")
         _once(chained, files, f"2 -> 3 -> 1 ({name})")
+
+
+def test_position_saved_early_on_two_ranks_resumes_on_three_with_every_file_once(
+    read, files, tmp_path
+):
+    """One batch of 2 on each of 2 ranks, saved: 16 files left for 3 ranks (6, 5, 5), in 3
+    batches each, so even padded no file needs to be read twice."""
+    plans = {name: {"pad": pad, "save": str(tmp_path / name)}
+             for name, pad in (("exact", False), ("padded", True))}
+    two = read(2, files, plans, batch_size=BATCH, workers=2, save_after=1)
+    plans = {name: {"pad": plan["pad"], "restore": plan["save"]} for name, plan in plans.items()}
+    three = read(3, files, plans, batch_size=BATCH, workers=1, save_after=0)
+
+    for name in plans:
+        _once(_read(two, name, "before") + _read(three, name, "after"), files, f"2 -> 3 ({name})")
+        batches = [-(-len(r[name]["after"]) // BATCH) for r in three]
+        assert batches == [3, 3, 3], f"{name}: batches per rank {batches}"

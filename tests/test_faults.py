@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
 import time
 
 import pytest
 
 from gpufleet import RunFailedError, RunTimeoutError, distributed, runtime
-from support import assert_all_gone, rank_processes
+from support import PYTHON, assert_all_gone, rank_processes, script_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -118,3 +119,97 @@ def test_timeout_stops_every_rank_and_names_the_option(runs_dir, tmp_path):
     assert isinstance(clone, RunTimeoutError) and str(clone) == text
     assert_all_gone(rank_processes(pid_dir), what="ranks after the timeout")
 
+
+
+@pytest.mark.parametrize("code", [0, None, 3, "bye"])
+def test_a_rank_that_calls_sys_exit_is_the_root_cause_of_its_peers_errors(code, runs_dir):
+    """Rank 1 leaves through sys.exit while rank 0 waits for it in a collective: rank 0's
+    error only says that a peer closed the connection; the rank that left is the root cause,
+    whatever the status it gave."""
+
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False)
+    def one_rank_exits(code):
+        import sys
+
+        import torch
+        import torch.distributed as dist
+
+        runtime.setup(timeout=30)
+        dist.barrier()
+        if runtime.get_global_rank() == 1:
+            print("rank 1 leaves", flush=True)
+            sys.exit(code)
+        dist.all_reduce(torch.ones(1))  # rank 0 fails on the peer that left
+        return 0
+
+    with pytest.raises(RunFailedError) as info:
+        one_rank_exits.distributed(code)
+    err = info.value
+    text = str(err)
+    root = err.failures[0]
+
+    assert root.rank == 1 and root.kind == "left", text
+    assert text.splitlines()[2].startswith("root cause: rank 1: "), text
+    assert f"sys.exit({code!r}) inside the function" in text.splitlines()[2], text
+    assert root.exitcode == (0 if code in (0, None) else 3 if code == 3 else 1)
+    assert "rank 1 leaves" in text, "the rank's last log lines belong in the error"
+    # rank 0 fails on the peer that left (its error marked as the echo), unless gpufleet
+    # stopped it first, which the error then says
+    others = [f for f in err.failures if f.rank != 1]
+    assert [f.rank for f in others if f.collateral] == [f.rank for f in others], text
+    assert [f.rank for f in others] == [0] or "rank 0 stopped by gpufleet after the failure" in text, text
+
+
+def test_sys_exit_0_that_no_rank_fails_on_is_a_success(runs_dir):
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False)
+    def rank_1_ends_early():
+        import sys
+
+        import torch.distributed as dist
+
+        runtime.setup(timeout=30)
+        dist.barrier()
+        if runtime.get_global_rank() == 1:
+            sys.exit(0)
+        return "rank 0 done"
+
+    assert rank_1_ends_early.distributed() == ["rank 0 done", None]
+
+
+EARLY_END = """
+import datetime
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+dist.barrier()
+if dist.get_rank() == 1:
+    print("rank 1 is done", flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(0)
+else:
+    time.sleep(1)  # rank 1 has left by now
+    dist.all_reduce(torch.ones(1))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "end"])
+def test_a_script_rank_that_ends_first_is_the_root_cause(how, tmp_path):
+    """`gpufleet run`: rank 1 ends its script (sys.exit(0), or its last line) while rank 0
+    still needs it in a collective, which then fails within seconds."""
+    (tmp_path / "early.py").write_text(EARLY_END)
+    env = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet-home"), GPUFLEET_TRACKING="0")
+    proc = subprocess.run(
+        [PYTHON, "-m", "gpufleet", "--runs-dir", str(tmp_path / "runs"), "run", "--gpus", "2", "early.py", how],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=90,
+    )
+    explain = f"exit {proc.returncode}\n--- stdout:\n{proc.stdout}\n--- stderr:\n{proc.stderr}"
+    assert proc.returncode != 0, explain
+    root = next(line for line in proc.stderr.splitlines() if line.startswith("root cause: "))
+    assert root.startswith("root cause: rank 1: left while the other ranks still needed it: "
+                           "early.py ended with exit status 0"), explain
+    assert "rank 0:" in proc.stderr and "communication error" in proc.stderr, explain

@@ -48,7 +48,10 @@ CALLER_SIDE = ("gpufleet.api", "gpufleet.cli", "gpufleet.flags", "gpufleet.__mai
                "gpufleet.watch", "gpufleet.launchers", "gpufleet.integrations.optuna")
 SHARED = ("gpufleet", "gpufleet.errors", "gpufleet.options", "gpufleet.payload", "gpufleet.rundir",
           "gpufleet.timings", "gpufleet.tracking", "gpufleet.telemetry", "gpufleet.steps", "gpufleet._environ",
-          "gpufleet._process", "gpufleet._stacks", "gpufleet._version", "gpufleet._log", "gpufleet.integrations")
+          "gpufleet._process", "gpufleet._stacks", "gpufleet._version", "gpufleet._log", "gpufleet.integrations",
+          "gpufleet.flops", "gpufleet.peaks")
+# Packages shared whole: the memory estimate (the command line's and the ranks') and its helper.
+SHARED_PACKAGES = ("gpufleet.memory",)
 LAUNCHER_INTERFACE = "gpufleet.launchers.base"
 
 
@@ -230,7 +233,7 @@ def test_walker_finds_the_real_imports():
 
 
 def test_every_named_part_exists():
-    named = (*RANK_SIDE, *PROCESS_SIDE_LAUNCHER_PARTS, *CALLER_SIDE, *SHARED, LAUNCHER_INTERFACE)
+    named = (*RANK_SIDE, *PROCESS_SIDE_LAUNCHER_PARTS, *CALLER_SIDE, *SHARED, *SHARED_PACKAGES, LAUNCHER_INTERFACE)
     missing = [name for name in named if not is_module(name)]
     assert not missing, f"modules or packages named by the layering rules are missing: {missing}"
     for package in ("gpufleet.runs", "gpufleet.launchers", "gpufleet.watch", "gpufleet.rank",
@@ -241,7 +244,8 @@ def test_every_named_part_exists():
 def test_every_module_has_a_side():
     """A new module is placed deliberately: on the rank's side, the caller's, or shared."""
     homeless = [m for m in source_files()
-                if not (is_rank_side(m) or is_caller_side(m) or m in SHARED)]
+                if not (is_rank_side(m) or is_caller_side(m) or m in SHARED
+                        or any(within(m, p) for p in SHARED_PACKAGES))]
     assert not homeless, (
         f"modules on no side (add them to a side in {Path(__file__).name}): {homeless}"
     )

@@ -298,3 +298,81 @@ def test_gpufleet_run_collapses_what_ranks_print_alike(flags, collapsed, tmp_pat
     for rank in (0, 1):
         assert seen_by("\n".join(line for line in shown if PREFIX.match(line)), rank) == [
             "same line", f"only rank {rank}", "same end"], explain
+
+
+def traceback_of(rank: int, frame: str, error: str = "RuntimeError: Connection closed by peer") -> list[str]:
+    return ["Traceback (most recent call last):", f'  File "train.py", line {frame}, in train',
+            "    dist.all_reduce(x)", error]
+
+
+def test_tracebacks_that_differ_are_shown_apart_first_line_included(tmp_path, window):
+    """Two ranks' tracebacks open with the same line; their frames differ: no shown line may
+    stand for both (one collapsed header over two sets of frames reads as one traceback)."""
+    ranks = Ranks(tmp_path, 2)
+    ranks.write(0, "step 1", *traceback_of(0, "12"), "done")
+    ranks.write(1, "step 1", *traceback_of(1, "40"), "done")
+    out = io.StringIO()
+    follower = ranks.follower(out)
+    follower.poll()
+    follower.close()
+
+    shown = out.getvalue().splitlines()
+    assert shown[0] == "[ranks 0-1] step 1" and shown[-1] == "[ranks 0-1] done", shown
+    assert shown[1:-1] == [f"[rank {rank}] {line}" for rank, frame in ((0, "12"), (1, "40"))
+                           for line in traceback_of(rank, frame)], shown
+
+
+def test_a_traceback_alike_on_every_rank_collapses_whole(tmp_path, window):
+    ranks = Ranks(tmp_path, 3)
+    for rank in range(3):
+        ranks.write(rank, *traceback_of(rank, "12", "ValueError: boom"))
+    out = io.StringIO()
+    follower = ranks.follower(out)
+    follower.poll()
+    follower.close()
+    assert out.getvalue().splitlines() == [f"[ranks 0-2] {line}" for line in traceback_of(0, "12", "ValueError: boom")]
+
+
+def test_a_stack_dump_collapses_only_whole(tmp_path, window):
+    """faulthandler's dump: a header, frames, then a blank line that is not part of it."""
+    ranks = Ranks(tmp_path, 2)
+    for rank in range(2):
+        ranks.write(rank, "Current thread 0x00007f (most recent call first):",
+                    f'  File "train.py", line {10 + rank} in train', "", "after")
+    out = io.StringIO()
+    follower = ranks.follower(out)
+    follower.poll()
+    follower.close()
+    assert out.getvalue().splitlines() == [
+        "[rank 0] Current thread 0x00007f (most recent call first):", '[rank 0]   File "train.py", line 10 in train',
+        "[rank 1] Current thread 0x00007f (most recent call first):", '[rank 1]   File "train.py", line 11 in train',
+        "[ranks 0-1] ", "[ranks 0-1] after"]
+
+
+def test_a_traceback_read_in_pieces_waits_for_its_end(tmp_path, window):
+    ranks = Ranks(tmp_path, 2)
+    out = io.StringIO()
+    follower = ranks.follower(out)
+    for rank in range(2):
+        ranks.write(rank, *traceback_of(rank, "12")[:2])
+    follower.poll()
+    for rank in range(2):
+        ranks.write(rank, *traceback_of(rank, "12")[2:])
+    follower.poll()
+    assert out.getvalue().splitlines() == [f"[ranks 0-1] {line}" for line in traceback_of(0, "12")]
+    follower.close()
+
+
+def test_a_traceback_whose_end_does_not_come_is_shown_after_the_window(tmp_path, monkeypatch):
+    monkeypatch.setattr(logs, "COLLAPSE_WINDOW_S", 0.1)
+    ranks = Ranks(tmp_path, 2)
+    out = io.StringIO()
+    follower = ranks.follower(out)
+    ranks.write(0, *traceback_of(0, "12")[:2])
+    follower.poll()
+    deadline = time.monotonic() + 5
+    while not out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+        follower.poll()
+    assert out.getvalue().splitlines() == [f"[rank 0] {line}" for line in traceback_of(0, "12")[:2]]
+    follower.close()

@@ -173,7 +173,8 @@ def test_gpufleet_logs_follow_of_a_large_backlog_stays_small(tmp_path):
         return usage.ru_maxrss * 1024
 
     baseline = peak_memory("status", run_id, out=tmp_path / "status.out")
-    followed = peak_memory("logs", run_id, "--follow", out=tmp_path / "logs.out")
+    # the run showed none live (logs="none"): following asks for them all
+    followed = peak_memory("logs", run_id, "--follow", "--logs", "all", out=tmp_path / "logs.out")
 
     check = InOrder(f"[rank 0] {numbered(i)}" for i in range(count))
     with open(tmp_path / "logs.out") as shown:

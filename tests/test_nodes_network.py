@@ -25,7 +25,6 @@ import pytest
 from netns import Host, Network, Unavailable
 from support import describe, is_template
 
-pytestmark = pytest.mark.slow
 
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 RUN_TIMEOUT_S = 180
@@ -182,6 +181,7 @@ def _vars(text: str) -> list[dict[str, str]]:
     return [dict(pair.split("=", 1) for pair in line.split()) for line in lines]
 
 
+@pytest.mark.inner  # the inner loop's run of this launcher (tests/suite.py)
 def test_two_machines_of_two_ranks_run_as_one_world_with_torchruns_variables(network, nodes):
     h1, h2 = network.hosts
     first, second = nodes(h1, 0), nodes(h2, 1)

@@ -29,15 +29,20 @@ LOGGED = re.compile(r"runs:/(\w+)/model")  # the prediction line names the model
 NOT_TRACKED = "the call was not tracked (MLflow is not installed"
 
 
-def execute(name: str, tmp_path, monkeypatch, timeout: int) -> str:
+def execute(name: str, tmp_path, monkeypatch, timeout: int, **parameters) -> str:
     """Run the notebook in a copy of the examples, in its own folder as Jupyter runs it; every
-    cell must run without an error (nbclient raises the cell's). Its outputs, as text."""
+    cell must run without an error (nbclient raises the cell's). Its outputs, as text.
+    ``parameters`` are set in a cell after the one tagged "parameters", as papermill does."""
     monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "gpufleet"))
     copy = tmp_path / "examples"
     (copy / "notebooks").mkdir(parents=True)
     for path in SHARED:
         shutil.copy(EXAMPLES / path, copy / path)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    if parameters:
+        [at] = [i for i, cell in enumerate(nb.cells) if "parameters" in cell.metadata.get("tags", ())]
+        given = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
+        nb.cells.insert(at + 1, nbformat.v4.new_code_cell(given, metadata={"tags": ["injected-parameters"]}))
     NotebookClient(nb, kernel_name=KERNEL, timeout=timeout, startup_timeout=60,
                    resources={"metadata": {"path": str(copy / "notebooks")}}).execute()
     return "\n".join(text(cell) for cell in nb.cells if cell.cell_type == "code")
@@ -107,13 +112,14 @@ def test_mlp_ddp_notebook(kernel_env, tmp_path, monkeypatch):  # noqa: F811
 
 @pytest.mark.timeout(600)
 def test_retinanet_ddp_notebook(kernel_env, tmp_path, monkeypatch):  # noqa: F811
-    """The slowest: about as long as `retinanet_ddp.py --small` (80 s on 2 idle cores)."""
-    output = execute("retinanet_ddp.ipynb", tmp_path, monkeypatch, timeout=540)
+    """Two epochs of the small size, as tests/test_example_retinanet.py runs the script: the
+    training is the script's; what the notebook adds is its cells, MLflow and the reload."""
+    output = execute("retinanet_ddp.ipynb", tmp_path, monkeypatch, timeout=540, EPOCHS=2)
 
     [losses] = [line.split(":")[1].split() for line in output.splitlines()
                 if line.startswith("training loss by epoch:")]
     [maps] = [line.split(":")[1].split() for line in output.splitlines() if line.startswith("mAP by epoch:")]
-    assert len(losses) == len(maps) == 5 and float(losses[-1]) < float(losses[0]), output
+    assert len(losses) == len(maps) == 2 and float(losses[-1]) < float(losses[0]), output
     assert all(0 <= float(m) <= 1 for m in maps), output
     assert not re.search(r"^\[rank 1\] .*mAP", output, re.M), "only rank 0 logs"
     out = tmp_path / "examples" / "notebooks" / "retinanet-out"  # OUT, beside the notebook

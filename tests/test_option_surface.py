@@ -12,14 +12,18 @@ What a user relies on:
   flag that was typed) on the command line, field 'gpus' in a workload file.
 - The workload file's JSON Schema (docs/workload.schema.json) is the one `gpufleet schema`
   prints, accepts the example workload and refuses what `gpufleet submit` refuses.
+- A value written for an option reaches the run the same from every surface: the decorator,
+  `.options()`, a flag of `gpufleet run`, a workload file's field.
 - `$GPUFLEET_HOME/config.yaml` sets the user's defaults (timeout, logs, tracking, runs folder,
-  ...); an option given in the call wins; a bad config file is an error naming the file.
+  ...); an option given in the call wins, even at its built-in default (every option and
+  surface: tests/test_precedence.py); a bad config file is an error naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -30,6 +34,9 @@ from test_cli_input import gpufleet as run_gpufleet
 
 import gpufleet
 from gpufleet import ConfigError, distributed, runtime
+from gpufleet import cli as command_line
+from gpufleet.options import OPTIONS
+from gpufleet.runs import workload
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,6 +63,79 @@ def test_every_option_reaches_every_surface_that_can_have_it(tmp_path):
     # the two an option surface lacks say why when used there
     proc = cli(tmp_path, "run", "--warm", "x.py")
     assert proc.returncode == 2 and "gpufleet.pool()" in proc.stderr, explain(proc)
+
+
+# For every option: a value other than its default as the decorator and .options() take it,
+# as `gpufleet run`'s flags write it (None: no flag), as a workload field (None: no field), and
+# what the run's options then hold. Options of remote runs are given with remote.
+SAMPLES: dict[str, tuple[object, list[str] | None, str | None, object]] = {
+    "gpus": (3, ["--nproc-per-node", "3"], "3", 3),
+    "gpu_type": ("H100", ["--gpu-type", "H100"], "H100", "H100"),
+    "remote": (True, ["--remote"], "true", "ray"),
+    "timeout": ("2h", ["--timeout", "2h"], "2h", 7200.0),
+    "logs": ([0, 1], ["--logs", "0,1"], "[0, 1]", (0, 1)),
+    "env": ({"A": "1"}, ["--env", "A=1"], "{A: '1'}", {"A": "1"}),
+    "runs_dir": ("{tmp}/elsewhere", ["--runs-dir", "{tmp}/elsewhere"], "{tmp}/elsewhere", "{tmp}/elsewhere"),
+    "max_retries": (2, ["--max-restarts", "2"], "2", 2),
+    "no_retry": (["ValueError"], ["--no-retry", "ValueError"], "[ValueError]", ("ValueError",)),
+    "hang_timeout": (None, ["--hang-timeout", "none"], "null", None),
+    "grace_period": ("1m", ["--grace-period", "1m"], "1m", 60.0),
+    "show_timings": (True, ["--show-timings"], "true", True),
+    "step_telemetry": (False, ["--no-step-telemetry"], "false", False),
+    "straggler_threshold": ("50%", ["--straggler-threshold", "50%"], "'50%'", 0.5),
+    "collapse_lines": (False, ["--no-collapse-lines"], "false", False),
+    "tracking": (False, ["--no-tracking"], "false", False),
+    "join_mlflow_run": (True, ["--join-mlflow-run"], "true", True),
+    "warm": (True, None, None, True),
+    "ray_address": ("10.0.0.1:6379", ["--ray-address", "10.0.0.1:6379"], "10.0.0.1:6379", "10.0.0.1:6379"),
+    "placement": ("spread", ["--placement", "SPREAD"], "spread", "spread"),
+    "placement_timeout": ("10m", ["--placement-timeout", "10m"], "10m", 600.0),
+    "pip": (["x==1"], ["--pip-requirement", "x==1"], "[x==1]", ("x==1",)),
+    "runtime_env": ({"excludes": ["data/"]}, ["--runtime-env", '{"excludes": ["data/"]}'],
+                    "{excludes: [data/]}", {"excludes": ["data/"]}),
+    "name": ("lm", ["--name", "lm"], "lm", "lm"),
+    "detach": (True, ["--detach"], None, True),
+    "nnodes": ("1:4", ["--nnodes", "1:4"], '"1:4"', (1, 4)),
+    "node_rank": (1, ["--node-rank", "1"], "1", 1),
+    "rdzv_endpoint": ("node001:29400", ["--rdzv-endpoint", "node001:29400"], "node001:29400", "node001:29400"),
+    "rdzv_id": ("lm-7", ["--rdzv-id", "lm-7"], "lm-7", "lm-7"),
+}
+WRITTEN = [(name, surface) for name in SAMPLES for surface in ("decorator", "options", "cli", "workload")
+           if not (surface == "cli" and SAMPLES[name][1] is None)
+           and not (surface == "workload" and SAMPLES[name][2] is None)]
+
+
+def test_every_option_has_a_sample_and_only_the_surfaces_that_lack_it_lack_one():
+    assert list(SAMPLES) == list(OPTIONS)
+    for name, (_, flag, field, _) in SAMPLES.items():
+        assert (flag is not None) == OPTIONS[name].cli, f"{name}: a flag of gpufleet run"
+        assert (field is not None) == OPTIONS[name].file, f"{name}: a workload field"
+
+
+@pytest.mark.parametrize("name, surface", WRITTEN)
+def test_a_value_written_on_any_surface_reaches_the_run(tmp_path, monkeypatch, name, surface):
+    monkeypatch.setenv("GPUFLEET_HOME", str(tmp_path / "home"))
+    fill = lambda v: json.loads(json.dumps(v).replace("{tmp}", str(tmp_path)))  # noqa: E731
+    python, flag, field, expected = (fill(v) for v in SAMPLES[name])
+    remote = OPTIONS[name].remote_only
+    if surface == "decorator":
+        options = distributed(**({"remote": True} if remote else {}), **{name: python})(print).run_options
+    elif surface == "options":
+        options = distributed(print).options(**({"remote": True} if remote else {}), **{name: python}).run_options
+    elif surface == "cli":
+        args = command_line._parser().parse_args(["run", *(["--remote"] if remote else []), *flag, "t.py"])
+        args.runs_dir = getattr(args, "runs_dir", None) or args.global_runs_dir
+        options = command_line._run_options(args)
+    else:
+        write(tmp_path / "t.py", "print('must not run')\n")
+        path = write(tmp_path / "w.yaml", f"script: t.py\n{'remote: true' if remote else ''}\n{name}: {field}\n")
+        submitted = command_line._parser().parse_args(["submit", str(path)])
+        options, _, _ = command_line._submit_options(submitted, workload.load(path))
+    held = getattr(options, name)
+    if name == "runs_dir":
+        held, expected = str(held), str(Path(expected))
+    assert held == (tuple(expected) if isinstance(expected, list) else expected), (
+        f"{name} written on the {surface} surface reached the run as {held!r}")
 
 
 def test_the_committed_schema_is_the_generated_one_and_judges_as_submit_does(tmp_path):
@@ -197,12 +277,18 @@ def test_config_file_defaults_apply_everywhere_and_a_given_option_wins(tmp_path,
     assert (tmp_path / "my-runs").is_dir()
     assert sleeps.options(timeout="1h").run_options.timeout == 3600.0
     assert distributed(timeout=600)(lambda: None).run_options.timeout == 600.0
+    # the built-in default written out is given too, and wins
+    assert distributed(timeout=10800)(lambda: None).run_options.timeout == 10800.0
+    assert sleeps.options(timeout="3h", tracking=None).run_options.tracking is None
 
     write(tmp_path / "sleeper.py", SLEEPER)
     proc = cli(tmp_path, "run", "--gpus", "2", "sleeper.py")
     assert proc.returncode == 124, explain(proc)
+    write(tmp_path / "naps.py", "import time\ntime.sleep(5)\nprint('slept')\n")
+    proc = cli(tmp_path, "run", "--gpus", "2", "--timeout", "3h", "naps.py")
+    assert proc.returncode == 0, "--timeout 3h, the built-in default, lost to the config's 3s\n" + explain(proc)
     listed = cli(tmp_path, "runs", "--json")
-    assert len(json.loads(listed.stdout)) == 2, "gpufleet runs reads the config's runs folder\n" + explain(listed)
+    assert len(json.loads(listed.stdout)) == 3, "gpufleet runs reads the config's runs folder\n" + explain(listed)
 
 
 @pytest.mark.parametrize("body, says", [

@@ -288,7 +288,6 @@ def test_a_callback_that_stops_the_study_ends_the_loop(runs_dir):
 # ---------------------------------------------------------------------------- the example
 
 
-@pytest.mark.slow
 def test_the_example_tunes_the_fsdp_transformers_learning_rate(run_script):
     """examples/optuna_lr.py --small, cut to 2 trials of 20 steps (the pruner spares the first 2)."""
     result = run_script(EXAMPLES / "optuna_lr.py", "--small", "--trials", "2", "--steps", "20",

@@ -104,7 +104,6 @@ def test_extras_named_in_install_hints_exist():
     assert not unknown, f"install hints name extras pyproject.toml lacks: {unknown}"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(BUILD_TIMEOUT_S + 120)
 def test_sdist_and_wheel_pass_twine_and_hold_the_package(dists):
     sdist, wheel = dists
@@ -134,7 +133,6 @@ def test_sdist_and_wheel_pass_twine_and_hold_the_package(dists):
     assert not [m for m in members if "__pycache__" in m or m.endswith(".pyc")]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(BUILD_TIMEOUT_S + INSTALL_TIMEOUT_S + 3 * RUN_TIMEOUT_S)
 def test_wheel_in_a_fresh_venv_runs_hello_world(dists):
     _, wheel = dists

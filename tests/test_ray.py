@@ -136,7 +136,6 @@ def remote(fn, runs_dir, **options):
 # ---------------------------------------------------------------------------- runs
 
 
-@pytest.mark.slow
 def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, runs_dir, capsys):
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
             "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "MLFLOW_RUN_ID")
@@ -186,7 +185,6 @@ def test_ranks_are_ordered_by_node_then_gpu_with_torchrun_variables(cluster, run
         assert {f"system/node{n}/cpu_utilization_percent" for n in (0, 1)} <= set(metrics), metrics
 
 
-@pytest.mark.slow
 def test_a_remote_sweep_packs_its_trials_onto_the_clusters_gpus(cluster, runs_dir):
     import io
 
@@ -208,7 +206,6 @@ def test_a_remote_sweep_packs_its_trials_onto_the_clusters_gpus(cluster, runs_di
     assert at_once <= 2, f"4 GPUs hold two trials of 2 at once, never three: {windows}"
 
 
-@pytest.mark.slow
 def test_the_status_line_counts_the_ranks_alive_on_their_nodes(cluster, runs_dir, monkeypatch):
     screen = terminal_stdout(monkeypatch)
 
@@ -230,7 +227,6 @@ def test_the_status_line_counts_the_ranks_alive_on_their_nodes(cluster, runs_dir
         (rank, 40, 80) for rank in range(4)]
 
 
-@pytest.mark.slow
 def test_an_exception_on_the_second_node_names_rank_node_and_traceback(cluster, runs_dir):
     def fails_on_the_second_node():
         runtime.setup(timeout=30)
@@ -255,7 +251,6 @@ def test_an_exception_on_the_second_node_names_rank_node_and_traceback(cluster, 
     assert "rank 2: ValueError: bad shard on the second node (node 1: " in str(error)
 
 
-@pytest.mark.slow
 def test_local_modules_and_the_working_directory_travel_through_runtime_env(
         cluster, runs_dir, tmp_path, monkeypatch):
     project, work = tmp_path / "project", tmp_path / "work"
@@ -295,7 +290,6 @@ def test_local_modules_and_the_working_directory_travel_through_runtime_env(
     monkeypatch.delitem(sys.modules, "shipped_helpers")
 
 
-@pytest.mark.slow
 def test_a_silent_remote_run_is_diagnosed_as_a_hang_from_the_ranks_own_stacks(cluster, runs_dir):
     def silent():
         runtime.setup(timeout=30)
@@ -309,7 +303,6 @@ def test_a_silent_remote_run_is_diagnosed_as_a_hang_from_the_ranks_own_stacks(cl
     assert f"test_ray.py:{line_of(__file__, 'sleeps-here')} in silent" in text  # read on the nodes
 
 
-@pytest.mark.slow
 def test_ctrl_c_stops_every_rank_and_releases_the_cluster(cluster, runs_dir):
     def forever():
         runtime.setup(timeout=30)
@@ -334,7 +327,6 @@ def test_ctrl_c_stops_every_rank_and_releases_the_cluster(cluster, runs_dir):
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.slow
 def test_a_sigterm_to_the_caller_reaches_the_ranks_on_their_nodes(cluster, runs_dir):
     def until_asked():
         runtime.setup(timeout=30)
@@ -360,7 +352,6 @@ def test_a_sigterm_to_the_caller_reaches_the_ranks_on_their_nodes(cluster, runs_
     assert info.value.results == ["rank 0 stopped", "rank 1 stopped"]
 
 
-@pytest.mark.slow
 def test_a_node_removed_mid_run_is_reported_as_lost(cluster, runs_dir):
     node = add_gpu_node(cluster)  # the test's own node: its processes end with it
 
@@ -413,7 +404,7 @@ def test_a_node_removed_mid_run_is_reported_as_lost(cluster, runs_dir):
         assert failure.kind == "lost" and failure.rank in on_node or failure.collateral, error
 
 
-@pytest.mark.slow
+@pytest.mark.inner  # the inner loop's run of this launcher (tests/suite.py)
 def test_without_an_address_a_local_ray_instance_serves_the_call_and_ends_with_the_process(
         run_script, tmp_path):
     ray_files = tempfile.mkdtemp(prefix="gf-ray-")
@@ -467,7 +458,6 @@ print("HANDLERS", "KEPT" if now == (on_sigterm, on_sigint) else f"CHANGED: {now}
 """
 
 
-@pytest.mark.slow
 def test_a_remote_call_leaves_the_callers_signal_handlers_as_they_were(cluster, run_script,
                                                                       tmp_path):
     result = run_script(HANDLERS_SCRIPT, cluster.address, tmp_path / "runs", timeout=90,

@@ -114,7 +114,6 @@ def uninterrupted() -> dict:
 # ---------------------------------------------------------------------------- runs
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_elastic_run_starts_with_the_gpus_that_are_free(cluster, runs_dir, capsys):
     held = placement_group([{"GPU": 1, "CPU": 1}] * GPUS_PER_NODE, strategy="STRICT_PACK")
@@ -133,7 +132,6 @@ def test_an_elastic_run_starts_with_the_gpus_that_are_free(cluster, runs_dir, ca
     assert "2 ranks on 1 node of the Ray cluster" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_elastic_run_shrinks_when_a_node_is_lost_grows_when_one_joins_and_ends_as_an_uninterrupted_run(
         cluster, runs_dir, tmp_path, capsys):

@@ -11,6 +11,7 @@ the same across network namespaces.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -28,7 +29,7 @@ ray = pytest.importorskip("ray")
 
 from support import rank_lines, script_env  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 CPUS = 4
 
@@ -42,24 +43,32 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def head():
     """A Ray head with its dashboard, started as a user would (`ray start --head`), with the
-    `python` of this environment first on its PATH (a job's entrypoint runs `python`)."""
+    `python` of this environment first on its PATH (a job's entrypoint runs `python`). Every
+    port it listens on is its own: Ray's fixed defaults (the dashboard agent's 52365, the
+    client server's 10001) are taken by whichever Ray instance of the machine came first (a
+    test of another worker's), and a head whose agent could not bind its port refuses every job
+    ("No available agent to submit job")."""
     folder = Path(tempfile.mkdtemp(prefix="gf-jobs-"))
     home = folder / "home"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "GPUFLEET_HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     port, dashboard = _free_port(), _free_port()
+    own_ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "ray-client-server-port",
+        "runtime-env-agent-port", "metrics-export-port")]
     ray_cli = str(Path(sys.executable).parent / "ray")
     started = subprocess.run(
         [ray_cli, "start", "--head", f"--port={port}", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={dashboard}", f"--num-cpus={CPUS}", "--num-gpus=0",
+         f"--dashboard-port={dashboard}", *own_ports, f"--num-cpus={CPUS}", "--num-gpus=0",
          f"--temp-dir={folder / 'ray'}", "--disable-usage-stats", "--include-dashboard=true"],
         env=env, capture_output=True, text=True, timeout=120,
     )
     if started.returncode != 0:
         pytest.fail(f"ray start failed:\n{started.stdout}\n{started.stderr}")
     try:
-        yield {"address": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{port}", "home": home, "env": env}
+        yield {"address": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{port}", "home": home, "env": env,
+               "session": folder / "ray"}
     finally:
         stop_ray(folder)
         shutil.rmtree(folder, ignore_errors=True)
@@ -131,6 +140,7 @@ print("values", train.distributed(21))
 """
 
 
+@pytest.mark.inner  # the inner loop's run of this launcher (tests/suite.py)
 def test_a_call_given_a_jobs_address_is_supervised_on_the_cluster(tmp_path, head):
     laptop = machine(tmp_path, "laptop", head)
     laptop.pop("MLFLOW_TRACKING_URI", None)  # the laptop's default store: its $GPUFLEET_HOME/mlflow.db
@@ -375,3 +385,71 @@ def test_a_script_and_its_helper_module_outside_the_working_directory_travel(tmp
                           env=env, capture_output=True, text=True, timeout=150)
     assert "values [10, 20]" in done.stdout, done.stderr
 
+
+SECRETIVE = """
+import hashlib, os, sys
+from gpufleet import distributed, runtime
+
+# the value comes from the submitter's environment: neither this script nor the function,
+# both shipped to the cluster, holds it
+@distributed(gpus=2, remote=True, ray_address="ADDRESS", detach=True,
+             env={"MY_TOKEN": os.environ.pop("SUBMITTED_TOKEN")})
+def digest():
+    runtime.setup()
+    return hashlib.sha256(os.environ["MY_TOKEN"].encode()).hexdigest()
+
+print(digest.submit().id)
+"""
+
+# A plain driver of the cluster, as anyone who can run code on it (a job submitted through the
+# dashboard) is: every key of every namespace of Ray's internal key-value store, each value
+# read whole and, where it is a zip (an uploaded package), each of its files.
+READ_RAY_KV = """
+import io, sys, zipfile
+import ray
+from ray._private import ray_constants
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+namespaces = {None, *(v for k, v in vars(ray_constants).items() if k.startswith("KV_NAMESPACE_"))}
+packages = 0
+for namespace in namespaces:
+    for key in _internal_kv_list(b"", namespace=namespace):
+        value = _internal_kv_get(key, namespace=namespace) or b""
+        texts = [value]
+        if zipfile.is_zipfile(io.BytesIO(value)):
+            packages += 1
+            with zipfile.ZipFile(io.BytesIO(value)) as package:
+                texts += [package.read(name) for name in package.namelist()]
+        for marker in sys.argv[2:]:
+            if any(marker.encode() in text for text in texts):
+                print("FOUND", marker, "in", namespace, key)
+print("packages", packages)
+"""
+
+
+def test_secrets_of_a_ray_job_are_left_nowhere_on_the_cluster(tmp_path, head):
+    """env= values and the MLflow settings reach the run on the cluster, and once it ended
+    neither Ray's key-value store (where it keeps uploaded packages) nor any file of the
+    head's Ray session folder or gpufleet home holds them."""
+    token, password = "tok-7d1e9a4c0b5f", "mlpw-3f8e26c1d4a0"
+    laptop = machine(tmp_path, "laptop", head)
+    laptop.update(SUBMITTED_TOKEN=token, MLFLOW_TRACKING_PASSWORD=password)
+    submitted = run(tmp_path, SECRETIVE, "laptop", head, env=laptop)
+    assert submitted.returncode == 0, submitted.stderr
+    read = run(tmp_path, READ, "desktop", head, submitted.stdout.split()[-1])
+    assert f"values {[hashlib.sha256(token.encode()).hexdigest()] * 2}" in read.stdout, read.stderr
+
+    # the run was tracked: its MLflow settings, whose URI may hold a password, were used
+    run_folder = on_head(head, submitted.stdout.split()[-1])
+    assert json.loads((run_folder / "record.json").read_text())["mlflow_run_id"]
+    assert not list(run_folder.rglob("tracking.json")), "the ranks' copy of the MLflow URI stayed"
+    found = run(tmp_path, READ_RAY_KV, "node", head, head["gcs"], token, password)
+    assert found.returncode == 0, found.stderr
+    assert "FOUND" not in found.stdout, found.stdout
+    assert int(found.stdout.split("packages")[-1]) > 0, found.stdout  # the read saw the run's code
+    for folder in (head["session"], head["home"]):
+        for path in folder.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                assert token.encode() not in data and password.encode() not in data, path

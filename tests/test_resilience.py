@@ -619,8 +619,6 @@ def test_a_flight_recorder_dump_names_the_unfinished_collective_and_its_caller(r
 def test_a_killed_launcher_is_reported_as_lost_and_takes_its_ranks_along(runs_dir, tmp_path):
     """The process between the caller and the ranks (torch elastic's agent) is killed: the
     call names it, every rank goes with it."""
-    import psutil
-
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
 
@@ -634,13 +632,15 @@ def test_a_killed_launcher_is_reported_as_lost_and_takes_its_ranks_along(runs_di
         time.sleep(600)
 
     def kill_the_launcher():
+        """The ranks' parent: forked from the kept template, it is no child of this process."""
         deadline = time.monotonic() + STARTUP_BOUND_S
         while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        for child in psutil.Process().children(recursive=True):
-            if any("_elastic_agent" in part for part in child.cmdline()):
-                child.kill()
-                return
+        for rank in rank_processes(pid_dir):
+            for parent in rank.parents():
+                if any("_elastic_agent" in part for part in parent.cmdline()):
+                    parent.kill()
+                    return
 
     import threading
 

@@ -21,7 +21,7 @@ import pytest
 from netns import Unavailable
 from slurm import SlurmCluster, start_on_a_new_network
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 SRUN_TIMEOUT_S = 30.0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 GPUFLEET = str(Path(sys.executable).with_name("gpufleet"))
 RUN_TIMEOUT_S = 200.0
@@ -54,6 +54,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.inner  # the inner loop's run of this launcher (tests/suite.py)
 def test_srun_gpufleet_run_needs_no_node_flags(slurm_cluster, tmp_path):
     (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))
     done = slurm_cluster.srun(["-N2", "--ntasks-per-node=1", GPUFLEET, "run", "--nproc-per-node", "2",

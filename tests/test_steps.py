@@ -224,7 +224,8 @@ def test_with_step_the_gap_between_steps_is_input_wait_and_the_total_gives_an_et
     statuses = ANSI.sub("", screen.getvalue()).replace("\r", "\n").splitlines()
     live = [line for line in statuses if "ranks alive" in line and "ETA" in line]
     assert live, statuses
-    assert re.search(r"step \d+/40 · [\d.]+k? samples/s · [\d.]+k? tokens/s · ETA \d:\d\d:\d\d", live[-1]), live[-1]
+    assert re.search(r"step \d+/40 · [\d.]+k? samples/s · [\d.]+k? tokens/s \([\d.]+k?/rank\) · ETA \d:\d\d:\d\d",
+                     live[-1]), live[-1]
     summary = summary_of(run_folders(runs_dir)[-1])
     for row in summary["ranks"]:
         assert row["steps"] == 40

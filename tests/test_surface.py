@@ -33,18 +33,19 @@ def test_run_handle_and_command_line():
     from gpufleet.cli import _parser
 
     commands = _parser()._subparsers._group_actions[0].choices
-    assert sorted(commands) == ["cancel", "completion", "logs", "prune", "run", "runs", "schema", "status",
-                               "submit", "template", "ui"]
+    assert sorted(commands) == ["cancel", "completion", "estimate", "logs", "prune", "run", "runs", "schema",
+                               "status", "submit", "template", "ui"]
 
 
 def test_runtime_functions():
     assert sorted(runtime.__all__) == [
-        "get_attempt", "get_global_rank", "get_local_rank", "get_local_world_size",
+        "flops", "get_attempt", "get_global_rank", "get_local_rank", "get_local_world_size",
         "get_node_rank", "get_replica_rank", "get_world_size", "heartbeat", "is_main_process",
         "main_process_first", "setup", "should_stop", "step",
     ]
     assert list(inspect.signature(runtime.setup).parameters) == ["backend", "timeout"]
     assert list(inspect.signature(runtime.step).parameters) == ["samples", "tokens", "total"]
+    assert list(inspect.signature(runtime.flops).parameters) == ["per_token", "per_sample", "per_step", "count"]
 
 
 def test_data_names():
@@ -62,3 +63,62 @@ def test_strategy_and_checkpoint_names():
     assert list(inspect.signature(checkpoint.Checkpointer).parameters) == [
         "root", "keep", "async_save", "every_steps", "every", "keep_best",
     ]
+
+
+def test_memory_names():
+    from gpufleet import memory
+
+    assert sorted(memory.__all__) == ["Estimate", "GPUS", "MemoryCheckError", "MicroBatchFloorError",
+                                      "MicroBatches", "estimate"]
+    assert list(inspect.signature(memory.MicroBatches).parameters) == [
+        "target", "micro_batch", "optimizer", "scheduler", "shrink", "overlap_sync",
+    ]
+
+
+# ---------------------------------------------------------------------------- behind the names
+# The names above are frozen; the tests below check that what they name does what a user
+# calls it for.
+
+
+def test_the_run_handle_does_what_each_of_its_names_says(runs_dir):
+    from gpufleet import attach, distributed, runs
+
+    @distributed(gpus=2, runs_dir=runs_dir, tracking=False)
+    def ranks(tag):
+        print("hello from", runtime.get_global_rank(), flush=True)
+        return (tag, runtime.get_global_rank(), runtime.get_world_size(), runtime.is_main_process())
+
+    run = ranks.submit("t")
+    assert run.wait(timeout=100) == "succeeded" and run.done() and run.status() == "succeeded"
+    assert run.result() == [("t", 0, 2, True), ("t", 1, 2, False)]
+    assert run.name == "ranks" and run.id.startswith("ranks-") and run.path == runs_dir / run.id
+    assert run.record()["status"] == "succeeded" and run.record()["gpus"] == 2
+    assert "[rank 1] hello from 1" in run.logs() and run.logs(rank=0).strip() == "hello from 0"
+    assert run.progress() == (None, {})  # no gpufleet.log_metrics in this run
+    assert run.cancel() == "succeeded", "cancelling an ended run changes nothing"
+    assert attach(run.id, runs_dir).result() == run.result()
+    assert [r.id for r in runs(runs_dir)] == [run.id]
+
+
+def test_every_command_answers_its_help(capsys):
+    import pytest
+
+    from gpufleet.cli import _parser, main
+
+    for command in _parser()._subparsers._group_actions[0].choices:
+        with pytest.raises(SystemExit) as exited:
+            main([command, "--help"])
+        assert exited.value.code == 0, command
+        assert f"usage: gpufleet {command}" in capsys.readouterr().out, command
+
+
+def test_a_direct_call_sees_one_process_through_the_runtime_functions():
+    from gpufleet import distributed
+
+    @distributed(gpus=2)
+    def where():
+        return (runtime.get_global_rank(), runtime.get_local_rank(), runtime.get_world_size(),
+                runtime.get_local_world_size(), runtime.get_node_rank(), runtime.is_main_process(),
+                runtime.get_attempt(), runtime.should_stop())
+
+    assert where() == (0, 0, 1, 1, 0, True, 0, False)  # undistributed, in this process

@@ -1,13 +1,15 @@
 """The kept template: later calls, `gpufleet run` and submitted runs fork their processes from a
 per-user process that has imported torch; a rank sees nothing a cold start would not show it.
 
-Each test has a GPUFLEET_HOME of its own, so the templates it starts are its own.
+Each test has a GPUFLEET_HOME of its own, so the templates it starts are its own (in the
+home: not the folder the rest of the suite shares, GPUFLEET_TEMPLATE_DIR).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -104,9 +106,17 @@ def stop_templates(env: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.fixture(autouse=True)
+def templates_of_the_home(monkeypatch):
+    """The suite's shared template folder is not these tests': each home has its own."""
+    monkeypatch.delenv("GPUFLEET_TEMPLATE_DIR", raising=False)
+
+
 @pytest.fixture
 def env(tmp_path):
-    environment = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet-home"))
+    """A home of the test's own, whose templates wait ten minutes for the next call (not the
+    suite's 30 s: on a busy machine two calls can be that far apart), stopped as it ends."""
+    environment = script_env(tmp_path, GPUFLEET_HOME=str(tmp_path / "gpufleet-home"), GPUFLEET_TEMPLATE_IDLE="600")
     environment.pop("GPUFLEET_TEMPLATE", None)
     yield environment
     stop_templates(environment)
@@ -161,17 +171,18 @@ def test_gpufleet_run_forks_from_the_template_and_its_ranks_get_their_own_argume
     script.write_text("import os, sys\nprint('args', os.environ['RANK'], sys.argv[1:], os.getcwd(), flush=True)\n")
     work = tmp_path / "work"
     work.mkdir()
-    outputs = []
+    outputs, said = [], []
     for _ in range(2):
         proc = subprocess.run([PYTHON, "-m", "gpufleet", "run", "--gpus", "2", str(script), "--lr", "0.1"],
                               env=env, cwd=work, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         outputs.append(proc.stdout)
+        said.append(proc.stderr)
     for out in outputs:
         for rank in (0, 1):
             assert f"args {rank} ['--lr', '0.1'] {work}" in out, out
     [template] = templates(env)
-    assert template["runs"] == 2
+    assert template["runs"] == 2, (template, said)
 
 
 def test_a_submitted_run_forks_from_the_template(run_script, tmp_path, env):
@@ -311,3 +322,92 @@ def test_a_killed_caller_takes_its_forked_ranks_down(start_script, tmp_path, env
     assert_all_gone(ranks, grace=10, what="the ranks of a killed caller")
     [template] = templates(env)  # the template itself serves on
     assert psutil.pid_exists(template["pid"])
+
+
+def test_the_caller_has_no_child_left_once_a_call_returns_and_status_shows_memory(tmp_path, env, monkeypatch):
+    """The template outlives the call that started it, but as no child of the caller (a
+    notebook kernel, a test, a CI step that checks for leftover children sees none); `gpufleet
+    template status` says what each template costs."""
+    from gpufleet import distributed
+
+    monkeypatch.setenv("GPUFLEET_HOME", env["GPUFLEET_HOME"])
+    monkeypatch.delenv("GPUFLEET_TEMPLATE", raising=False)
+
+    @distributed(gpus=1, runs_dir=tmp_path / "runs", tracking=False, logs="none")
+    def rank():
+        return 1
+
+    for _ in range(2):  # the call that starts the template, and one it serves
+        assert rank.distributed() == [1]
+        assert psutil.Process().children() == []
+    [template] = templates(env)  # what the calls were forked from
+    assert template["runs"] >= 1 and psutil.Process(template["pid"]).ppid() != os.getpid()
+    assert template["uss_bytes"] > 50 * 2**20, template  # torch imported: hundreds of MB its own
+    shown = template_cli(env, "status")
+    assert shown.returncode == 0, shown.stderr
+    assert f"pid {template['pid']}:" in shown.stdout and "GiB of memory its own (USS)" in shown.stdout, shown.stdout
+
+
+NOOP = "print('ran', flush=True)\n"
+
+
+def gpufleet_run(env: dict[str, str], folder: Path) -> None:
+    proc = subprocess.run([PYTHON, "-m", "gpufleet", "run", "--gpus", "1", "--no-tracking", "noop.py"],
+                          env=env, cwd=folder, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.timeout(480)  # three templates start, then one waits out its minute
+def test_an_idle_template_ends_once_two_others_of_the_user_were_used_since(tmp_path, env):
+    """One template per GPUFLEET_HOME, about half a GB each: a test suite or a sweep with a home
+    per run would keep one per home for their whole idle time. Templates of the user that were
+    used since count, whatever their home."""
+    (tmp_path / "noop.py").write_text(NOOP)
+    homes = [{**env, "GPUFLEET_HOME": str(tmp_path / f"home-{i}"), "GPUFLEET_TEMPLATE_IDLE": "600"}
+             for i in range(3)]
+    try:
+        started = []
+        for home in homes:
+            gpufleet_run(home, tmp_path)
+            [template] = templates(home)
+            started.append(psutil.Process(template["pid"]))  # just used: idle for an instant
+        assert len({p.pid for p in started}) == 3, "a template per home"
+        first = started[0]
+        # idle well short of its 600 s: it ends for the two used after it
+        assert_all_gone([first], grace=120, what="the least recently used template", templates_too=True)
+        assert templates(homes[0]) == []
+    finally:
+        for home in homes:
+            stop_templates(home)
+
+
+def test_homes_that_name_one_template_folder_share_one_template_and_keep_their_runs(tmp_path, env):
+    """GPUFLEET_TEMPLATE_DIR: a sweep or a suite with a home per run starts one template for
+    all of them; each run's folder is still in its caller's home."""
+    (tmp_path / "noop.py").write_text(NOOP)
+    shared = tmp_path / "shared-template"
+    homes = [{**env, "GPUFLEET_HOME": str(tmp_path / f"home-{i}"), "GPUFLEET_TEMPLATE_DIR": str(shared)}
+             for i in range(2)]
+    try:
+        for home in homes:
+            gpufleet_run(home, tmp_path)
+        [first], [second] = templates(homes[0]), templates(homes[1])
+        assert first["pid"] == second["pid"], "a template for each home"
+        assert list(shared.glob("*.sock")), "the template listens in the folder named"
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o700, "the shared folder is private"
+        for home in homes:
+            assert not (Path(home["GPUFLEET_HOME"]) / "template").exists(), "a template folder in a home"
+            assert len(list((Path(home["GPUFLEET_HOME"]) / "runs").iterdir())) == 1, "the run in its home"
+        assert templates(env) == [], "the template of a home that names no folder"
+    finally:
+        stop_templates(homes[0])
+
+
+def test_a_template_whose_home_is_deleted_ends(tmp_path, env):
+    (tmp_path / "noop.py").write_text(NOOP)
+    home = {**env, "GPUFLEET_HOME": str(tmp_path / "temporary-home"), "GPUFLEET_TEMPLATE_IDLE": "600"}
+    gpufleet_run(home, tmp_path)
+    [template] = templates(home)
+    shutil.rmtree(home["GPUFLEET_HOME"])  # a temporary home, cleaned up: no call can reach it
+    assert_all_gone([psutil.Process(template["pid"])], grace=30, what="the template of a deleted home",
+                    templates_too=True)

@@ -1,7 +1,11 @@
-"""MkDocs hook: the tables of ``reference.md``, generated from the code when the site is built.
+"""The tables of ``reference.md``, generated from the code: written into the page, so that it
+reads in the repository, and made again whenever the site is built (an MkDocs hook).
 
-``reference.md`` holds the prose and a marker per table, ``<!-- reference:NAME -->``; this hook
-replaces each marker with its table, made from the definitions the program itself uses:
+``reference.md`` holds the prose and, per table, its markers with the table between them:
+``<!-- reference:NAME -->`` ... ``<!-- /reference:NAME -->``. ``python docs/hooks/reference.py``
+writes every table afresh into the page (``--check``: exit 1 when one is stale, as
+``tests/test_reference.py`` checks); the site's build does the same in memory, so the site is
+never stale. Each table is made from the definitions the program itself uses:
 
 - ``options``: ``gpufleet.options.OPTIONS`` (the keyword, its flags, its workload field, whether
   ``config.yaml`` sets it, the default, the help text);
@@ -13,7 +17,7 @@ replaces each marker with its table, made from the definitions the program itsel
   the run statuses ``EXIT_OF_STATUS`` maps to them.
 
 A marker the hook does not know, a known one missing from the page, or an exit code without a
-meaning fails the build.
+meaning fails the build (and the script).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from mkdocs.exceptions import PluginError
 
 PAGE = "reference.md"
 MARKER = re.compile(r"<!--\s*reference:([\w-]+)\s*-->")
+# a table's markers and what lies between them (a page with the opening marker alone: none)
+BLOCK = re.compile(r"<!--\s*reference:([\w-]+)\s*-->(?:.*?<!--\s*/reference:\1\s*-->)?", re.S)
 
 
 def on_config(config):
@@ -39,15 +45,22 @@ def on_config(config):
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    if page.file.src_uri != PAGE:
-        return markdown
+    return render(markdown) if page.file.src_uri == PAGE else markdown
+
+
+def render(markdown: str) -> str:
+    """``reference.md`` with every table between its markers made afresh from the code."""
     found = MARKER.findall(markdown)
     unknown = sorted(set(found) - set(TABLES))
     missing = sorted(set(TABLES) - set(found))
     if unknown or missing:
         raise PluginError(f"{PAGE}: unknown table markers {unknown}, missing {missing}; "
                           f"the markers are {', '.join(f'<!-- reference:{n} -->' for n in TABLES)}")
-    return MARKER.sub(lambda m: TABLES[m.group(1)](), markdown)
+    return BLOCK.sub(lambda m: _between_markers(m.group(1)), markdown)
+
+
+def _between_markers(name: str) -> str:
+    return f"<!-- reference:{name} -->\n\n{TABLES[name]().rstrip()}\n\n<!-- /reference:{name} -->"
 
 
 # ---------------------------------------------------------------------------- markdown
@@ -318,3 +331,23 @@ TABLES = {
     "environment": environment_tables,
     "exit-codes": exit_codes_table,
 }
+
+
+def main(argv: list[str]) -> int:
+    """``python docs/hooks/reference.py [--check]``: write the tables into ``docs/reference.md``
+    from this checkout's code, or with ``--check`` say whether the page holds them as they are."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "src"))
+    page = root / "docs" / PAGE
+    text = page.read_text()
+    fresh = render(text)
+    if "--check" in argv:
+        if fresh != text:
+            print(f"{page} is stale: python docs/hooks/reference.py writes its tables", file=sys.stderr)
+        return int(fresh != text)
+    page.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

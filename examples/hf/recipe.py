@@ -1,6 +1,8 @@
 """What the Hugging Face fine-tuning examples share: their command line, the model and data
-they start from (a real checkpoint and data set, or `--tiny` stand-ins from tiny.py), what each
-rank returns, and the check after training that the saved output loads and generates.
+they start from (a real checkpoint and data set, or stand-ins: `--size real`, the published
+architecture with random weights and the standard library's source, from real.py; `--size
+tiny`, a two-layer model of it and generated chats, from tiny.py), what each rank returns, and
+the check after training that the saved output loads and generates.
 
 The examples import this module in the caller and, inside their `@distributed` functions, in
 the ranks (gpufleet gives the ranks the caller's import path).
@@ -9,6 +11,7 @@ the ranks (gpufleet gives the ranks the caller's import path).
 import argparse
 import importlib.util
 import inspect
+import json
 import math
 import os
 import time
@@ -20,32 +23,53 @@ NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "1",
                 "HF_HUB_DISABLE_TELEMETRY": "1"}
 PROMPT = "What is 7 plus 5?"  # the question the saved model answers after training
 NEW_TOKENS = 8
+SIZES = ("real", "tiny")
+# The stand-ins' size when --size is not given: real on a machine with a GPU, tiny without.
+SIZE_VARIABLE = "GPUFLEET_EXAMPLE_SIZE"
 
 
 def command_line(doc: str, *, model: str, output_dir: str, max_steps: int, tiny_steps: int,
                  learning_rate: float, tiny_learning_rate: float, max_length: int = 1024,
-                 tiny_max_length: int | None = None) -> argparse.ArgumentParser:
-    """The options every example has; an example adds its own before `parse(parser)`."""
+                 tiny_max_length: int | None = None, real_steps: int = 30,
+                 real_learning_rate: float = 1e-3, real_max_length: int = 2048,
+                 real_layers: int | None = None) -> argparse.ArgumentParser:
+    """The options every example has; an example adds its own before `parse(parser)`. `model`:
+    the checkpoint the example fine-tunes (named in --model's help); the defaults of steps,
+    learning rate and length are per start: a checkpoint (`max_steps`, ...), the real-size
+    stand-in (`real_*`; `real_layers`: its cut, None for every layer) or the tiny one."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--model", default=model,
-                        help=f"hub name or local folder of the checkpoint (default: {model})")
+    parser.add_argument("--model", default=None,
+                        help=f"hub name or local folder of the checkpoint, e.g. {model} (default: "
+                             "a stand-in of --size built here; a folder holding only a "
+                             "config.json and a tokenizer: random weights of that architecture)")
     parser.add_argument("--dataset", default=None,
                         help="chat data set with a `messages` column: a .jsonl/.json/.parquet "
                              "file, a `save_to_disk` folder, or a hub name")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a random model of the same architecture and a generated chat data "
-                             "set, built here: no download, runs on CPU")
+    parser.add_argument("--size", choices=SIZES, default=None,
+                        help="without --model, the stand-in built here (no download): real, the "
+                             "published architecture with random weights, on chats of the "
+                             "standard library's source; tiny, a two-layer model of it on "
+                             f"generated chats, for CPUs (default: ${SIZE_VARIABLE}, else real "
+                             "where there is a GPU, tiny where there is none)")
+    parser.add_argument("--tiny", dest="size", action="store_const", const="tiny",
+                        help="the same as --size tiny")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="--size real: keep the first N decoder layers (default: "
+                             f"{real_layers or 'all'})")
     parser.add_argument("--output-dir", default=output_dir,
                         help=f"where the trained model goes (default: ./{output_dir})")
     parser.add_argument("--max-steps", type=int, default=None,
-                        help=f"optimizer steps (default: {max_steps}; --tiny: {tiny_steps})")
+                        help=f"optimizer steps (default: {max_steps}; --size real: {real_steps}; "
+                             f"--size tiny: {tiny_steps})")
     parser.add_argument("--learning-rate", type=float, default=None,
-                        help=f"peak learning rate (default: {learning_rate:g}; --tiny: "
-                             f"{tiny_learning_rate:g}, for weights that start random)")
+                        help=f"peak learning rate (default: {learning_rate:g}; --size real: "
+                             f"{real_learning_rate:g}, tiny: {tiny_learning_rate:g}, for weights "
+                             "that start random)")
     tiny_max_length = tiny_max_length or max_length
     parser.add_argument("--max-length", type=int, default=None,
-                        help=f"tokens per sequence (default: {max_length}; --tiny: "
-                             f"{tiny_max_length}); longer examples are truncated")
+                        help=f"tokens per sequence (default: {max_length}; --size real: "
+                             f"{real_max_length}; tiny: {tiny_max_length}); longer examples are "
+                             "truncated")
     parser.add_argument("--gpus", type=int, default=None,
                         help="processes, one per GPU (default: every GPU; 2 CPU processes without)")
     parser.add_argument("--report-to", default="auto",
@@ -53,28 +77,63 @@ def command_line(doc: str, *, model: str, output_dir: str, max_steps: int, tiny_
                              "the call in MLflow (the Trainer logs into the call's run), none when "
                              "it does not (no MLflow store of the Trainer's own); with none, "
                              "gpufleet's callback logs the metrics into the call's run")
-    parser.set_defaults(full_max_steps=max_steps, tiny_max_steps=tiny_steps,
-                        full_learning_rate=learning_rate, tiny_learning_rate=tiny_learning_rate,
-                        full_max_length=max_length, tiny_max_length=tiny_max_length)
+    parser.set_defaults(defaults={
+        "checkpoint": dict(max_steps=max_steps, learning_rate=learning_rate, max_length=max_length),
+        "real": dict(max_steps=real_steps, learning_rate=real_learning_rate,
+                     max_length=real_max_length, layers=real_layers),
+        "tiny": dict(max_steps=tiny_steps, learning_rate=tiny_learning_rate,
+                     max_length=tiny_max_length)})
     return parser
 
 
+def default_size(parser: argparse.ArgumentParser | None = None) -> str:
+    """The stand-ins' size when none is asked for: $GPUFLEET_EXAMPLE_SIZE, else real on a
+    machine with a GPU and tiny without (CPUs: CI, a laptop)."""
+    chosen = os.environ.get(SIZE_VARIABLE, "").strip().lower()
+    if chosen and chosen not in SIZES:
+        message = (f"{SIZE_VARIABLE}={os.environ[SIZE_VARIABLE]!r} is not a size: set it to "
+                   f"{' or '.join(SIZES)}, or unset it (real with a GPU, tiny without)")
+        if parser is None:
+            raise ValueError(message)
+        parser.error(message)
+    return chosen or ("real" if on_gpu() else "tiny")
+
+
 def parse(parser: argparse.ArgumentParser, architecture: str,
-          argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse the command line (`argv`, else the script's); with --tiny, build the stand-ins
-    under OUTPUT_DIR/tiny and point --model and --dataset at them. Paths become absolute: the
-    ranks get them as they are."""
+          argv: list[str] | None = None, *, published: dict | None = None,
+          weights: bool = False) -> argparse.Namespace:
+    """Parse the command line (`argv`, else the script's). Without --model, build the stand-ins
+    of --size under OUTPUT_DIR/SIZE and point --model and --dataset at them: tiny.py's
+    `architecture`, or real.py's model of `published` (its config.json's values; with `weights`,
+    its random weights saved too, for loaders that read only weights from a folder). Paths
+    become absolute: the ranks get them as they are."""
     args = parser.parse_args(argv)
-    for name in ("max_steps", "learning_rate", "max_length"):  # unset: the mode's default
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(args, ("tiny_" if args.tiny else "full_") + name))
+    if args.model is not None and args.size is not None:
+        parser.error(f"--model {args.model} and --size {args.size} exclude each other: --model "
+                     "trains that checkpoint, --size builds a stand-in")
+    if args.model is None:
+        args.size = args.size or default_size(parser)
+    start = args.size or "checkpoint"
+    for name, value in args.defaults[start].items():  # unset: the start's default
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.layers is not None and (args.size != "real" or args.layers < 1):
+        parser.error(f"--layers {args.layers}: a cut of the real-size stand-in, 1 or more "
+                     "layers, with --size real")
     args.output_dir = str(Path(args.output_dir).resolve())
-    if args.tiny:
+    if args.size == "tiny":
         import tiny
 
         args.model, args.dataset = tiny.build(architecture, Path(args.output_dir) / "tiny")
+    elif args.size == "real":
+        import real
+
+        args.model, dataset = real.build(published, Path(args.output_dir) / "real",
+                                         args.max_length, args.layers, weights)
+        args.dataset = args.dataset or dataset
     elif args.dataset is None:
-        parser.error("--dataset is needed (or --tiny for a generated one)")
+        parser.error(f"--model {args.model} needs --dataset (or leave --model out for a "
+                     "stand-in of --size)")
     for name in ("model", "dataset"):  # local paths absolute; hub names as they are
         if Path(getattr(args, name)).exists():
             setattr(args, name, str(Path(getattr(args, name)).resolve()))
@@ -82,8 +141,9 @@ def parse(parser: argparse.ArgumentParser, architecture: str,
 
 
 def argv(tiny: bool = False, **options) -> list[str]:
-    """The command line for these options, for a notebook: `argv(tiny=True, max_steps=20)` is
-    `["--tiny", "--max-steps", "20"]`; an option whose value is None is left out (its default)."""
+    """The command line for these options, for a notebook: `argv(size="tiny", max_steps=20)`
+    is `["--size", "tiny", "--max-steps", "20"]` (`tiny=True`: `--tiny`); an option whose
+    value is None is left out (its default)."""
     line = ["--tiny"] if tiny else []
     for name, value in options.items():
         if value is not None:
@@ -142,6 +202,39 @@ def model_options(model: str) -> dict:
 
             options["quantization_config"] = Mxfp4Config(dequantize=True)
     return options
+
+
+def has_weights(model_path: str) -> bool:
+    """False for a local folder that holds a configuration but no weights: a real-size
+    stand-in, whose random weights the ranks make (load_model)."""
+    folder = Path(model_path)
+    return not folder.is_dir() or any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+
+
+def load_model(model_path: str, device=None):
+    """The model to fine-tune, in the precision of model_options(): the checkpoint at
+    `model_path` (on `device` when given, straight from disk), or for a folder without weights
+    a random model of its configuration, built on the meta device and materialised on `device`
+    (real.materialise; the CPU when None), never whole in host memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    options = model_options(model_path)
+    if has_weights(model_path):
+        if device is not None:
+            options["device_map"] = {"": device}
+        return AutoModelForCausalLM.from_pretrained(model_path, **options)
+    import real
+
+    return real.materialise(AutoConfig.from_pretrained(model_path), options, device)
+
+
+def measuring(durable: bool = False) -> list:
+    """The Trainer callback that times this run (meter.Meter: tokens/s, time to the first step,
+    peak GPU memory, checkpoint saves; `durable`: each save flushed to disk and timed so), in a
+    list for `callbacks=`."""
+    import meter
+
+    return [meter.Meter(durable=durable)]
 
 
 def precision() -> dict:
@@ -205,13 +298,20 @@ def begin() -> dict:
     return {"started": time.monotonic(), "mlflow_run": os.environ.get("MLFLOW_RUN_ID")}
 
 
-def rank_result(begun: dict, trainer, **extra) -> dict:
+def rank_result(begun: dict, trainer, restore: bool = False, **extra) -> dict:
     """What each rank returns: its status, the loss at the start and the end, where the model
     went, the world the Trainer trained in, the MLflow run it logged into (None when
-    untracked) and its time in seconds."""
+    untracked), its time in seconds and its timings (meter.summary). `restore`: load the last
+    checkpoint back and time it (every rank together)."""
     from gpufleet import runtime
 
+    import meter
+
     losses = logged_losses(trainer.state.log_history)
+    timings = meter.summary(trainer, trainer.args.world_size)
+    if restore and timings and timings["saves"]:
+        timings["restore_s"] = meter.restore_seconds(trainer, timings["saves"][-1]["folder"])
+    extra.setdefault("timings", timings)
     return {"rank": runtime.get_global_rank(), "status": "ok",
             "first_loss": losses[0][1] if losses else math.nan,
             "final_loss": losses[-1][1] if losses else math.nan, "losses": losses,
@@ -264,6 +364,10 @@ def log_model(begun: dict, trainer, name: str | None) -> str | None:
     from gpufleet import runtime
 
     if name is None or runtime.get_global_rank() != 0:
+        return None
+    if not has_weights(base_model(trainer.args.output_dir)):
+        print("the model is not logged: its base model's weights were made in the ranks and "
+              "never saved (a real-size stand-in)", flush=True)
         return None
     run_id = begun["mlflow_run"]
     if run_id is None:
@@ -327,15 +431,35 @@ def report(results: list[dict], elapsed: float) -> None:
     print(f"{len(results)} ranks ({first['strategy']}, world of {first['world_size']}), "
           f"{len(first['losses'])} logged steps, final loss {first['final_loss']:.4f}, "
           f"{elapsed:.1f} s")
+    timings = first.get("timings") or {}
+    if timings.get("tokens_per_s_per_gpu"):
+        memory = (f"; peak GPU memory {timings['peak_allocated_gib']} GiB allocated, "
+                  f"{timings['peak_reserved_gib']} GiB reserved"
+                  if timings["peak_allocated_gib"] is not None else "")
+        print(f"{timings['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU after the first steps"
+              f"{memory}")
     assert [r["rank"] for r in results] == list(range(len(results))), results
     assert all(r["status"] == "ok" and r["world_size"] == len(results) for r in results), results
     assert first["final_loss"] < first["first_loss"], f"the loss did not fall: {first['losses']}"
 
 
+def base_model(output_dir: str) -> str:
+    """The model a saved LoRA adapter sits on (its folder or hub name), else output_dir."""
+    adapter = Path(output_dir) / "adapter_config.json"
+    if adapter.is_file():
+        return json.loads(adapter.read_text())["base_model_name_or_path"]
+    return output_dir
+
+
 def summarize(results: list[dict], elapsed: float) -> None:
-    """report(), then load the saved output and generate from it. Exits non-zero
-    (AssertionError) when training did not do what it should."""
+    """report(), then load the saved output and generate from it (not where an adapter sits on
+    random weights that were never saved). Exits non-zero (AssertionError) when training did
+    not do what it should."""
     report(results, elapsed)
     first = results[0]
+    if not has_weights(base_model(first["output_dir"])):
+        print(f"not generated from {first['output_dir']}: its base model's random weights were "
+              "made in the ranks and not saved")
+        return
     text = generate(first["output_dir"])
     print(f"generated from {first['output_dir']}: {PROMPT!r} -> {text!r}")

@@ -88,9 +88,9 @@ def write_chat_dataset(path: Path) -> Path:
     return path
 
 
-def train_tokenizer(texts: list[str]):
-    """A byte-level BPE tokenizer trained on `texts`, with special tokens and the chat
-    template: what `AutoTokenizer.from_pretrained` of a chat model gives."""
+def train_tokenizer(texts: list[str], vocab: int = VOCAB):
+    """A byte-level BPE tokenizer of `vocab` entries trained on `texts`, with special tokens
+    and the chat template: what `AutoTokenizer.from_pretrained` of a chat model gives."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -99,7 +99,7 @@ def train_tokenizer(texts: list[str]):
     bpe.decoder = decoders.ByteLevel()
     special = list(SPECIAL_TOKENS.values()) + EXTRA_SPECIAL_TOKENS
     bpe.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=special,
+        vocab_size=vocab, special_tokens=special, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **SPECIAL_TOKENS,
                                         additional_special_tokens=EXTRA_SPECIAL_TOKENS)

@@ -7,6 +7,7 @@ nothing at all (a direct call) reads the same values.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 # Set by gpufleet for every rank, beside torchrun's variables.
@@ -22,6 +23,7 @@ TRACKED = "GPUFLEET_TRACKED"  # "1": the call's MLflow run comes in the run fold
 TRACKING = "GPUFLEET_TRACKING"
 TEMPLATE = "GPUFLEET_TEMPLATE"  # "0": no kept template; every run starts cold
 TEMPLATE_IDLE = "GPUFLEET_TEMPLATE_IDLE"  # seconds the kept template waits for a call
+TEMPLATE_DIR = "GPUFLEET_TEMPLATE_DIR"  # where the kept template lives: homes naming one share it
 DEFAULT_TEMPLATE_IDLE_SECONDS = 900.0
 _SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 POOL = "GPUFLEET_POOL"  # set for the ranks of a warm pool: "1", or POOL_KEEP_MEMORY
@@ -38,6 +40,8 @@ RAY_ADDRESS = "RAY_ADDRESS"  # Ray's own variable: the cluster remote runs use b
 RAY_JOB = "GPUFLEET_RAY_JOB"
 NODE_DEFAULTS = "GPUFLEET_NODE_DEFAULTS"  # defined and read in launchers/_ray_node.py
 HOME = "GPUFLEET_HOME"
+PEAK_FLOPS = "GPUFLEET_PEAK_FLOPS"  # FLOP/s per GPU that MFU is measured against (peaks.py)
+MEMORY_CHECK = "GPUFLEET_MEMORY_CHECK"  # memory_check's default: warn, error or off
 
 # Every environment variable gpufleet reads or sets, and what it means: docs/reference.md is
 # generated from these, and tests/test_docs.py fails when the code names a GPUFLEET_ variable
@@ -50,8 +54,17 @@ USER_VARIABLES: tuple[tuple[str, str], ...] = (  # read from the caller's enviro
     (TEMPLATE, "`0` (or `false`, `off`, `no`): no kept template, every run starts its processes cold"),
     (TEMPLATE_IDLE, f"seconds the kept template waits for a run before it ends (default "
      f"{DEFAULT_TEMPLATE_IDLE_SECONDS:.0f})"),
+    (TEMPLATE_DIR, "the kept template's folder (default `$GPUFLEET_HOME/template`): calls whose "
+     "homes differ but that name one folder share one template (a sweep or a test suite with a "
+     "temporary home per run)"),
     (VIRTUAL_GPUS, "`N`: a machine without GPUs schedules runs as if it had N GPUs (the ranks "
      "run on CPUs)"),
+    (PEAK_FLOPS, "the peak FLOP/s of one GPU (e.g. `989e12`) that step telemetry measures MFU "
+     "against, in place of gpufleet's table of GPUs; also shows an MFU on CPUs. Read in the ranks: "
+     "pass it with `env=` to a cluster's"),
+    (MEMORY_CHECK, "`warn` (default), `error` or `off`: what the memory check before the first "
+     "step does where `memory_check=` is not given (`strategies.prepare`, the Hugging Face and "
+     "Lightning callbacks). Read in the ranks"),
     ("CUDA_VISIBLE_DEVICES", "the GPUs of this machine that runs may use (default: all)"),
     (RAY_ADDRESS, "Ray's own: the cluster of remote runs when `ray_address` is not given"),
     ("MLFLOW_TRACKING_URI", "MLflow's own: the store calls track into (default "
@@ -190,6 +203,30 @@ def template_idle_seconds() -> float:
     return seconds
 
 
+def memory_check() -> str:
+    """``GPUFLEET_MEMORY_CHECK``, lower-cased ("warn" when unset); memory/check.py judges it."""
+    return os.environ.get(MEMORY_CHECK, "").strip().lower() or "warn"
+
+
+def peak_flops(env: Mapping[str, str] | None = None) -> float | None:
+    """``GPUFLEET_PEAK_FLOPS`` as the ranks will see it (``env``: a call's ``env=``, over this
+    process's environment), or None when unset; a value that is not a number of FLOP/s above 0
+    is a ConfigError."""
+    value = (env or {}).get(PEAK_FLOPS, os.environ.get(PEAK_FLOPS, "")).strip()
+    if not value:
+        return None
+    try:
+        peak = float(value)
+    except ValueError:
+        peak = -1.0
+    if not 0 < peak < float("inf"):
+        from gpufleet.errors import ConfigError
+
+        raise ConfigError(f"{PEAK_FLOPS}={value!r} must be a number of FLOP/s per GPU above 0, such "
+                          "as 989e12 (an H100 SXM's dense bf16 peak); unset it for gpufleet's table of GPUs")
+    return peak
+
+
 def _switch(name: str, off_means: str) -> bool:
     value = os.environ.get(name, "").strip()
     if not value:
@@ -219,6 +256,12 @@ def parent_pid() -> int | None:
 def caller_umask() -> int | None:
     value = os.environ.get(UMASK)
     return int(value, 8) if value else None
+
+
+def template_dir() -> Path:
+    """The kept template's folder: ``$GPUFLEET_TEMPLATE_DIR``, else ``$GPUFLEET_HOME/template``."""
+    given = os.environ.get(TEMPLATE_DIR, "").strip()
+    return Path(given).expanduser().resolve() if given else gpufleet_home() / "template"
 
 
 def gpufleet_home() -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -19,7 +20,12 @@ from gpufleet.options import (
     DEFAULT_STRAGGLER_THRESHOLD,
     DEFAULT_TIMEOUT,
     KEEP,
+    Duration,
+    GPUs,
+    Nodes,
+    Ranks,
     RunOptions,
+    Share,
     Unchanged,
     options_help,
 )
@@ -66,21 +72,21 @@ class DistributedFunction(Generic[R]):
 
     def options(
         self, *,
-        gpus: int | tuple[int, int] | None | Unchanged = KEEP, gpu_type: str | None | Unchanged = KEEP,
-        remote: bool | str | Unchanged = KEEP, timeout: float | None | Unchanged = KEEP,
-        logs: str | Sequence[int] | Unchanged = KEEP, env: Mapping[str, str] | Unchanged = KEEP,
+        gpus: GPUs | Unchanged = KEEP, gpu_type: str | None | Unchanged = KEEP,
+        remote: bool | str | Unchanged = KEEP, timeout: Duration | None | Unchanged = KEEP,
+        logs: Ranks | Unchanged = KEEP, env: Mapping[str, str] | Unchanged = KEEP,
         runs_dir: str | os.PathLike[str] | None | Unchanged = KEEP,
         max_retries: int | Unchanged = KEEP, no_retry: NoRetry | Unchanged = KEEP,
-        hang_timeout: float | None | Unchanged = KEEP, grace_period: float | Unchanged = KEEP,
+        hang_timeout: Duration | None | Unchanged = KEEP, grace_period: Duration | Unchanged = KEEP,
         show_timings: bool | Unchanged = KEEP, step_telemetry: bool | Unchanged = KEEP,
-        straggler_threshold: float | Unchanged = KEEP, collapse_lines: bool | Unchanged = KEEP,
+        straggler_threshold: Share | Unchanged = KEEP, collapse_lines: bool | Unchanged = KEEP,
         tracking: bool | None | Unchanged = KEEP, join_mlflow_run: bool | Unchanged = KEEP,
         warm: bool | Unchanged = KEEP, ray_address: str | None | Unchanged = KEEP,
-        placement: str | Unchanged = KEEP, placement_timeout: float | Unchanged = KEEP,
+        placement: str | Unchanged = KEEP, placement_timeout: Duration | Unchanged = KEEP,
         pip: bool | Sequence[str] | Unchanged = KEEP,
         runtime_env: Mapping[str, Any] | None | Unchanged = KEEP,
         name: str | None | Unchanged = KEEP, detach: bool | Unchanged = KEEP,
-        nnodes: int | str | tuple[int, int] | None | Unchanged = KEEP,
+        nnodes: Nodes | Unchanged = KEEP,
         node_rank: int | None | Unchanged = KEEP, rdzv_endpoint: str | None | Unchanged = KEEP,
         rdzv_id: str | None | Unchanged = KEEP,
         **unknown: NoReturn,
@@ -175,43 +181,44 @@ def distributed(fn: Callable[..., R], /) -> DistributedFunction[R]: ...
 @overload
 def distributed(
     fn: None = None, /, *,
-    gpus: int | tuple[int, int] | None = None, gpu_type: str | None = None, remote: bool | str = False,
-    timeout: float | None = DEFAULT_TIMEOUT, logs: str | Sequence[int] = "all",
+    gpus: GPUs = None, gpu_type: str | None = None, remote: bool | str = False,
+    timeout: Duration | None = DEFAULT_TIMEOUT, logs: Ranks = "all",
     env: Mapping[str, str] = NO_ENV, runs_dir: str | os.PathLike[str] | None = None,
-    max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
-    grace_period: float = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
-    step_telemetry: bool = True, straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD,
+    max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: Duration | None = DEFAULT_HANG_TIMEOUT,
+    grace_period: Duration = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
+    step_telemetry: bool = True, straggler_threshold: Share = DEFAULT_STRAGGLER_THRESHOLD,
     collapse_lines: bool = True, tracking: bool | None = None, join_mlflow_run: bool = False,
     warm: bool = False, ray_address: str | None = None,
-    placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
+    placement: str = "pack", placement_timeout: Duration = DEFAULT_PLACEMENT_TIMEOUT,
     pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
     name: str | None = None, detach: bool = False,
-    nnodes: int | str | tuple[int, int] | None = None, node_rank: int | None = None,
+    nnodes: Nodes = None, node_rank: int | None = None,
     rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
 def distributed(
-    fn: Callable[..., R] | None = None, /, *,
-    gpus: int | tuple[int, int] | None = None, gpu_type: str | None = None, remote: bool | str = False,
-    timeout: float | None = DEFAULT_TIMEOUT, logs: str | Sequence[int] = "all",
-    env: Mapping[str, str] = NO_ENV, runs_dir: str | os.PathLike[str] | None = None,
-    max_retries: int = 0, no_retry: NoRetry = (), hang_timeout: float | None = DEFAULT_HANG_TIMEOUT,
-    grace_period: float = DEFAULT_GRACE_PERIOD, show_timings: bool = False,
-    step_telemetry: bool = True, straggler_threshold: float = DEFAULT_STRAGGLER_THRESHOLD,
-    collapse_lines: bool = True, tracking: bool | None = None, join_mlflow_run: bool = False,
-    warm: bool = False, ray_address: str | None = None,
-    placement: str = "pack", placement_timeout: float = DEFAULT_PLACEMENT_TIMEOUT,
-    pip: bool | Sequence[str] = False, runtime_env: Mapping[str, Any] | None = None,
-    name: str | None = None, detach: bool = False,
-    nnodes: int | str | tuple[int, int] | None = None, node_rank: int | None = None,
-    rdzv_endpoint: str | None = None, rdzv_id: str | None = None, **unknown: NoReturn,
+    fn: Callable[..., R] | None = None, /, **options: Any,
 ) -> DistributedFunction[R] | Callable[[Callable[..., R]], DistributedFunction[R]]:
-    given = {k: v for k, v in locals().items() if k not in ("fn", "unknown")}
-    run_options = RunOptions.create(**given, **unknown)  # unknown: a ConfigError naming them
+    # **options, not the keywords with their defaults: only what the caller wrote counts as
+    # given, and a given option beats the config file even where it equals the built-in
+    # default (the overload above is the signature type checkers and help() show)
+    run_options = RunOptions.create(**options)  # an unknown name: a ConfigError naming it
     if fn is None:
         return lambda f: DistributedFunction(f, run_options)
     return DistributedFunction(fn, run_options)
+
+
+def _shown_signature() -> inspect.Signature:
+    """The keyword overload's signature, with ``fn`` as the implementation takes it."""
+    keywords = inspect.signature(typing.get_overloads(distributed)[-1])
+    fn, *options = keywords.parameters.values()
+    return keywords.replace(parameters=[fn.replace(annotation="Callable[..., R] | None"), *options],
+                            return_annotation="DistributedFunction[R] | Callable[[Callable[..., R]], "
+                            "DistributedFunction[R]]")
+
+
+distributed.__signature__ = _shown_signature()  # type: ignore[attr-defined]
 
 
 distributed.__doc__ = f"""Make a function runnable on every GPU of this machine, or of a Ray cluster.

@@ -24,6 +24,8 @@ import argcomplete
 from gpufleet import __version__, _environ, flags, steps, telemetry
 from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError, PayloadError, RunFailedError
+from gpufleet.memory import command as estimate_command
+from gpufleet.memory import records as shrink_records
 from gpufleet.options import DEFAULT_STRAGGLER_THRESHOLD, RunOptions, Surface, speaking
 from gpufleet.rank.script import run_command, run_module, run_script
 from gpufleet.rundir import RunDir, runs_root
@@ -96,8 +98,7 @@ def cmd_run(args) -> int:
             raise ConfigError(f"script {script!r} not found (from {os.getcwd()})")
         fn, fn_args, name, what, kind = run_script, (script, rest), Path(script).stem, script, "script"
         argv = [script, *rest]
-    given, _ = flags.options_from(args)
-    options = RunOptions.create(**given, runs_dir=args.runs_dir)
+    options = _run_options(args)
     call = execution.Call.prepare(fn, fn_args, {}, options, name, what, kind=kind)
     if args.detach:
         return _started(handles.submit(call, argv=argv), args.json)
@@ -114,16 +115,7 @@ def cmd_submit(args) -> int:
     from gpufleet.runs import workload
 
     work = workload.load(args.workload)
-    env = dict(work.options.pop("env", {}))
-    if work.parameters_file is not None:
-        env[_environ.PARAMETERS] = str(work.parameters_file)
-    given, spelled = flags.options_from(args)  # flags override the file's fields
-    env = {**env, **given.pop("env", {})}
-    surface = Surface.FILE if not given else Surface.CLI  # the flags, where any was given
-    with _naming(work.path), speaking(surface, spelled):
-        if args.runs_dir:
-            work.options["runs_dir"] = args.runs_dir
-        options = RunOptions.create(**{**work.options, **given}, env=env, detach=True)
+    options, surface, spelled = _submit_options(args, work)
     entries: dict[str, tuple[Callable[..., None], tuple[Any, ...]]] = {
         "script": (run_script, (work.target, work.args)),
         "module": (run_module, (work.target, work.args)),
@@ -141,6 +133,33 @@ def cmd_submit(args) -> int:
         return _started(run, args.json)
     log.info(f"submitted {run.id}")
     return _follow_to_end(run)
+
+
+def _run_options(args) -> RunOptions:
+    """`gpufleet run`'s options: the flags typed (each wins, whatever its value), the config
+    file's defaults for the others."""
+    given, _ = flags.options_from(args)
+    if args.runs_dir is not None:
+        given["runs_dir"] = args.runs_dir
+    options = RunOptions.create(**given)
+    flags.check_torchrun_flags(args, options)
+    return options
+
+
+def _submit_options(args, work) -> tuple[RunOptions, Surface, dict[str, str]]:
+    """A workload's options: its fields, the flags typed over them, the config file's
+    defaults for the others; and the surface its errors speak, with the flags typed."""
+    env = dict(work.options.pop("env", {}))
+    if work.parameters_file is not None:
+        env[_environ.PARAMETERS] = str(work.parameters_file)
+    given, spelled = flags.options_from(args)  # flags override the file's fields
+    env = {**env, **given.pop("env", {})}
+    surface = Surface.FILE if not given else Surface.CLI  # the flags, where any was given
+    with _naming(work.path), speaking(surface, spelled):
+        if args.runs_dir:
+            work.options["runs_dir"] = args.runs_dir
+        options = RunOptions.create(**{**work.options, **given}, env=env, detach=True)
+    return options, surface, spelled
 
 
 def cmd_runs(args) -> int:
@@ -178,8 +197,8 @@ def _row(run: handles.Run) -> dict | None:
 
 def cmd_logs(args) -> int:
     run = handles.attach(args.run, args.runs_dir, args.ray_address)
-    if args.follow:
-        run.logs(args.rank, follow=True)  # Ctrl-C: 130, and the run goes on
+    if args.follow:  # Ctrl-C: 130, and the run goes on
+        run.logs(args.rank, follow=True, logs=flags.logs_flag(args.logs))
         return 0
     run.logs(args.rank, out=sys.stdout)
     return 0
@@ -191,11 +210,13 @@ def cmd_status(args) -> int:
     sampled = _last_samples(run.path, summary)
     gpu_use = telemetry.describe_gpus(sampled)  # "" on CPU
     stepped = _last_steps(run.path, summary)
+    shrinks = shrink_records.of_run(run.path)  # the micro-batch's shrinks after a CUDA OOM
     if args.json:
         gpus = [{"node": node, "host": s.get("host"), "time": s.get("time"), **gpu}
                 for node, s in sorted(sampled.items()) for gpu in s.get("gpus") or ()]
         print(json.dumps({**summary, **({"gpu_telemetry": gpus} if gpus else {}),
-                          **({"steps": stepped.as_dict()} if stepped else {})}, indent=1))
+                          **({"steps": stepped.as_dict()} if stepped else {}),
+                          **({"memory_shrinks": shrinks} if shrinks else {})}, indent=1))
         return 0
     for key in ("id", "name", "status", "kind", "gpus", "devices", "device", "created", "started",
                 "ended", "duration", "attempts", "error", "mlflow_run_id", "path"):
@@ -211,6 +232,9 @@ def cmd_status(args) -> int:
         if key == "gpus" and stepped:  # the ranks' step telemetry: throughput, stragglers
             running = summary.get("status") not in records.FINAL
             print(f"{'steps:':<13} {' · '.join(progress.steps_parts(stepped, running))}")
+        if key == "gpus":
+            for i, shrink in enumerate(shrinks):
+                print(f"{'memory:' if i == 0 else '':<13} {shrink_records.describe(shrink)}")
     if summary.get("timings"):
         print("timings of the last attempt:")
         print("\n".join(f"  {label}: {seconds:.3f} s" for label, seconds in summary["timings"]["phases"].items()))
@@ -275,6 +299,10 @@ def cmd_ui(args) -> int:
     return tracking.serve_ui(args.host, args.port)
 
 
+def _memory(size: int | None) -> str:
+    return "unknown" if size is None else f"{size / 2**30:.2f} GiB"
+
+
 def cmd_template(args) -> int:
     """Show or stop the kept templates runs are forked from (launchers/template.py)."""
     from gpufleet.launchers import template
@@ -294,8 +322,8 @@ def cmd_template(args) -> int:
         age = time.time() - entry["started"]
         print(f"pid {entry['pid']}: up {age:.0f} s, {entry['runs']} run(s) and {entry['trackers']} MLflow "
               f"tracker(s) started, {entry['running']} running, "
-              f"torch imported in {entry['import_seconds']:.1f} s, ends after {entry['idle_seconds']:.0f} s idle; "
-              f"{entry['python']}")
+              f"torch imported in {entry['import_seconds']:.1f} s, ends after {entry['idle_seconds']:.0f} s idle, "
+              f"{_memory(entry.get('uss_bytes'))} of memory its own (USS); {entry['python']}")
     return 0
 
 
@@ -489,6 +517,8 @@ def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argpa
         if name == "logs":
             one.add_argument("--rank", type=int, help="only this rank's log, without prefixes")
             one.add_argument("--follow", "-f", action="store_true", help="keep printing until the run ends")
+            one.add_argument("--logs", metavar="RANKS", help="with --follow: which ranks' lines to show, "
+                             "all, rank0, none or ranks such as 0,3 (default: the run's logs option)")
         if name == "status":
             one.add_argument("--json", action="store_true", help="print the record as JSON")
 
@@ -521,3 +551,4 @@ def _other_commands(sub: Any, common: argparse.ArgumentParser, on_cluster: argpa
     completion.add_argument("shell", choices=("bash", "zsh", "fish", "tcsh", "powershell"), nargs="?",
                             default="bash", help="the shell (default bash)")
     completion.set_defaults(command=cmd_completion)
+    estimate_command.add_parser(sub)  # the flags are many: in its own module

@@ -23,8 +23,10 @@ read exactly the first ``n · batch_size · world_size`` files of the order. Tha
 position, is what a loader's state holds, beside the number of ranks that read them: it means
 the same on every rank (a checkpoint keeps one copy of it) and on any number of ranks. A loader
 restored from it splits the rest of the order, ``order[position:]``, across the ranks it has
-now, so an epoch resumed on another number of ranks still reads every file exactly once (with
-``pad=True``, the padding that evens out the ranks repeats a few).
+now, so an epoch resumed on another number of ranks still reads every file exactly once. With
+``pad=True`` a few files repeat only where the ranks' shares would otherwise make different
+numbers of batches (DDP hangs then): a share one file short of the others' gets one file of
+padding only if that file would start a batch of its own.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ class FileDataset(IterableDataset):
 
     files:      a list of paths/URLs, or one glob pattern (local or fsspec)
     shuffle:    reshuffle every epoch (the same order on every rank; see set_epoch)
-    pad:        repeat files so every rank gets the same count (DDP needs equal batch counts);
+    pad:        repeat files so every rank takes the same number of batches (DDP needs that):
+                read through `loader()`, only where the ranks' batch counts would differ (the
+                batch size and drop_last decide), else wherever their file counts differ;
                 False splits exactly, and ranks may then differ by one file
     chunk_size: files per worker turn; `loader()` sets it to the batch size
     cache_dir:  where remote files are copied (default ``$GPUFLEET_HOME/cache/data``); a
@@ -89,6 +93,10 @@ class FileDataset(IterableDataset):
         self.chunk_size = chunk_size
         self.cache_dir = Path(cache_dir) if cache_dir else _environ.gpufleet_home() / "cache" / "data"
         self._cache_checked = False
+        # (batch size, drop_last) of the loader() reading it: what makes batches of a rank's
+        # files, so that padding evens out batch counts. (1, False) evens out file counts, the
+        # safe rule for a DataLoader of unknown batching.
+        self._batching = (1, False)
         # Shared with the loader's worker processes, also persistent ones: [epoch, start, read].
         self._shared = multiprocessing.get_context().RawArray("q", 3)
 
@@ -124,7 +132,9 @@ class FileDataset(IterableDataset):
         in the order it reads them."""
         rank = _environ.rank() if rank is None else rank
         world_size = _environ.world_size() if world_size is None else world_size
-        return _share(self.epoch_files(), self._shared[_START], rank, world_size, self.pad)
+        left = len(self.files) - self._shared[_START]
+        pad = self.pad and _uneven(left, world_size, *self._batching)
+        return _share(self.epoch_files(), self._shared[_START], rank, world_size, pad)
 
     def __len__(self) -> int:
         return len(self.rank_files())
@@ -156,6 +166,19 @@ class FileDataset(IterableDataset):
         if not target.exists():
             _download(source, target)
         return str(target)
+
+
+def _uneven(count: int, world_size: int, batch_size: int, drop_last: bool) -> bool:
+    """Whether ``count`` files split over the ranks give them different numbers of batches.
+    The shares differ by one file at most; that file adds a batch only where it starts one
+    (or, with drop_last, completes one). Evening out files instead would pad the 16 files a
+    resumed epoch has left for 3 ranks, in batches of 2, with 2 files read already, where
+    shares of 6, 5 and 5 files make 3 batches each."""
+    short, longer = divmod(count, world_size)
+    if not longer:
+        return False
+    batches = (lambda n: n // batch_size) if drop_last else (lambda n: -(-n // batch_size))
+    return batches(short) != batches(short + 1)
 
 
 def _share(order: Sequence, start: int, rank: int, world_size: int, pad: bool) -> list:
@@ -309,6 +332,7 @@ def loader(
         num_workers = min(8, max(1, (os.cpu_count() or 2) // _environ.local_world_size() - 1))
     _warn_if_ranks_disagree(num_workers)
     dataset.chunk_size = batch_size
+    dataset._batching = (batch_size, bool(kwargs.get("drop_last", False)))
     options: dict[str, Any] = dict(
         batch_size=batch_size,
         num_workers=num_workers,

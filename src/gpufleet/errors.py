@@ -28,6 +28,7 @@ KINDS = {
     "host-oom": "host out of memory: ",
     "cuda-oom": "GPU out of memory: ",
     "exit": "",
+    "left": "",  # ended through sys.exit (or its script's end) while the others needed it
     "signal": "",
     "result": "",
     "timeout": "",
@@ -218,6 +219,12 @@ def describe(failure: RankFailure) -> str:
                 "inside the function (os._exit(0), or a library that exits), so no result came back")
     if failure.kind == "exit":
         return f"exited with {failure.summary} without raising a Python exception{where}"
+    if failure.kind == "left" and failure.exitcode == 0:
+        return (f"left while the other ranks still needed it: {failure.summary}{where} — a rank that "
+                "ends leaves every collective, and the others failed on its absence; end every rank "
+                "at the same point (return from the function, or reach the script's end, on all of them)")
+    if failure.kind == "left":
+        return f"ended before returning, through {failure.summary}{where}"
     return f"{KINDS.get(failure.kind, '')}{failure.summary}{where}"
 
 

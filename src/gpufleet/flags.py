@@ -4,22 +4,38 @@
 Each flag reads text by its option's kind; the checks themselves are the options' own, so a
 flag and a keyword accept the same values and fail with the same words (spelled as flags).
 torchrun's names are accepted where they mean the same (``--nproc-per-node``, ``--max-restarts``,
-``--local-ranks-filter``, ``--standalone``), with underscores too (``--nproc_per_node``).
+``--local-ranks-filter``, ``--standalone``, ``--rdzv-backend``), with underscores too
+(``--nproc_per_node``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
-from gpufleet.options import NOT_ON, OPTIONS, Option, Surface, did_you_mean, flag_of, parse_duration
+from gpufleet.options import (
+    NOT_ON,
+    OPTIONS,
+    LocalRanks,
+    Option,
+    RunOptions,
+    Surface,
+    did_you_mean,
+    flag_of,
+    parse_duration,
+)
 
 SPELLED = "_spelled"  # the namespace's record of the flag the user typed, per option
 PIP_REQUIREMENT = "--pip-requirement"  # pip=[...] on the command line: one flag per requirement
+LOCAL_RANKS = "--local-ranks-filter"  # torchrun's: the ranks of each machine, by local rank
+# torchrun's rendezvous backends that mean what gpufleet's machines do: c10d is the one they
+# meet in; static (a fixed set of machines, ordered by --node-rank) is that with no resizing
+RDZV_BACKENDS = ("c10d", "static")
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,7 +49,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:
         words = message.split()
         if message.startswith("unrecognized arguments:") and len(words) > 2:
-            message += did_you_mean(words[2].split("=")[0], self._every_flag())
+            message += did_you_mean(words[2].split("=")[0], self._flags_of_command(sys.argv[1:]))
             wrong = words[2].split("=")[0].lstrip("-").replace("-", "_")
             if (wrong, Surface.CLI) in NOT_ON:
                 message += f"; {NOT_ON[wrong, Surface.CLI]}"
@@ -45,6 +61,16 @@ class Parser(argparse.ArgumentParser):
         if self._subparsers is None:
             return {}
         return self._subparsers._group_actions[0].choices  # type: ignore[return-value]
+
+    def _flags_of_command(self, argv: list[str]) -> list[str]:
+        """The flags of the command ``argv`` names (a near miss of ``run``'s ``--gpus`` is not
+        ``estimate``'s ``--gpu``), else every command's."""
+        commands = self._commands()
+        command = next((commands[word] for word in argv if word in commands), None)
+        if command is None:
+            return self._every_flag()
+        own = [f for f, action in self._option_string_actions.items() if action.help != argparse.SUPPRESS]
+        return own + command._every_flag()
 
     def _every_flag(self) -> list[str]:
         """This parser's flags and its commands': argparse reports a command's unknown flag
@@ -92,6 +118,10 @@ def add_option_flags(parser: argparse.ArgumentParser, *, workload: bool = False)
     torchrun = parser.add_argument_group("torchrun's flags, accepted with the same meaning")
     torchrun.add_argument("--standalone", action="store_true",
                           help="one machine with a rendezvous of its own: what a run here always is")
+    torchrun.add_argument("--rdzv-backend", metavar="BACKEND", dest="rdzv_backend",
+                          help="c10d: the rendezvous the machines of a node run meet in; static: the "
+                          "same, for a fixed number of machines (--nnodes N)")
+    torchrun.add_argument("--rdzv_backend", dest="rdzv_backend", help=argparse.SUPPRESS)
 
 
 def _add(group: argparse._ArgumentGroup, option: Option) -> None:
@@ -136,6 +166,11 @@ def options_from(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, st
     return given, spelled
 
 
+def logs_flag(value: str | None) -> Any:
+    """``gpufleet logs --logs``'s text as the logs option reads it (None: not given)."""
+    return None if value is None else _read(OPTIONS["logs"], value, "--logs")
+
+
 def _read(option: Option, value: Any, flag: str) -> Any:
     """A flag's text as the option's value (what the option's check then judges)."""
     kind = option.kind
@@ -149,7 +184,8 @@ def _read(option: Option, value: Any, flag: str) -> Any:
     if kind == "ranks":
         text = str(value).strip().strip("[]")
         if text and all(part.strip().isdigit() for part in text.split(",")):
-            return tuple(int(part) for part in text.split(","))
+            ranks = tuple(int(part) for part in text.split(","))
+            return LocalRanks(ranks) if flag == LOCAL_RANKS else ranks  # torchrun's meaning
         return value
     if kind == "env":
         return env_pairs(value)
@@ -164,6 +200,26 @@ def _read(option: Option, value: Any, flag: str) -> Any:
     if kind == "text" and str(value).strip().lower() == "none":
         return None
     return value
+
+
+def check_torchrun_flags(args: argparse.Namespace, options: RunOptions) -> None:
+    """torchrun's flags that are no option, checked against the options they go with."""
+    backend = getattr(args, "rdzv_backend", None)
+    if backend is None:
+        return
+    if backend.strip().lower() not in RDZV_BACKENDS:
+        raise ConfigError(
+            f"--rdzv-backend {backend}: the machines of a node run meet in a c10d rendezvous, "
+            "served by the machine that has --rdzv-endpoint's address (no etcd is needed); give "
+            f"--rdzv-backend c10d (or static for a fixed number of machines), or leave it out"
+            f"{did_you_mean(backend.strip().lower(), RDZV_BACKENDS)}"
+        )
+    if backend.strip().lower() == "static" and options.nnodes and options.nnodes[0] != options.nnodes[1]:
+        low, high = options.nnodes
+        raise ConfigError(
+            f"--rdzv-backend static is a fixed number of machines, and --nnodes {low}:{high} an "
+            f"elastic one: give --nnodes {high}, or --rdzv-backend c10d for an elastic run"
+        )
 
 
 def env_pairs(pairs: Sequence[str]) -> dict[str, str]:

@@ -23,10 +23,10 @@ import math
 import os
 import re
 import shlex
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from gpufleet import _environ
 from gpufleet.errors import ConfigError
@@ -41,6 +41,14 @@ REMOTE_ENGINES = ("ray",)  # remote=True picks the first
 PLACEMENTS = ("pack", "spread", "strict_pack", "strict_spread")  # Ray's placement strategies
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 CONFIG_FILE = "config.yaml"  # under $GPUFLEET_HOME: the user's defaults
+
+# What the public signatures accept: every form the checks below read, so that a type checker
+# takes what the docs teach (``timeout="3m"``, ``gpus="2:4"``, ``straggler_threshold="20%"``).
+Duration: TypeAlias = float | str | datetime.timedelta  # 90, "90s", "30m", "2h", "7d", a timedelta
+GPUs: TypeAlias = int | tuple[int, int] | str | None  # N, (MIN, MAX) or "MIN:MAX", None: every GPU
+Nodes: TypeAlias = int | tuple[int, int] | str | None  # N, (MIN, MAX) or "N" / "MIN:MAX"
+Share: TypeAlias = float | str  # 0.2 or "20%"
+Ranks: TypeAlias = str | Sequence[int]  # "all", "rank0", "none", or ranks such as [0, 3]
 
 
 class Unchanged(enum.Enum):
@@ -126,6 +134,21 @@ def spell(name: str, value: Any = _BARE) -> str:
     return name if value is _BARE else f"{name}={value!r}"
 
 
+def named(name: str) -> str:
+    """An option named, without a value, as the surface in use names it in a hint:
+    ``ray_address=``, ``--ray-address``, ``field 'ray_address'``."""
+    return spell(name) + ("=" if _surface.get()[0] is Surface.PYTHON else "")
+
+
+def dropped(name: str) -> str:
+    """How to turn off a flag option on the surface in use: ``pass remote=False``, ``drop
+    --remote``, ``set field 'remote': false``."""
+    surface = _surface.get()[0]
+    if surface is Surface.CLI:
+        return f"drop {spell(name)}"
+    return f"{'set' if surface is Surface.FILE else 'pass'} {spell(name, False)}"
+
+
 def spell_seconds(name: str, seconds: float | None) -> str:
     """A duration option and its value, as the surface in use writes the option: ``timeout=90 s``,
     ``--timeout 90 s``, ``field 'timeout': 90 s`` (``timeout=None``: no limit)."""
@@ -207,25 +230,30 @@ class RunOptions:
 
     @classmethod
     def create(cls, **options) -> "RunOptions":
-        return cls._create(options, given=set(options))
+        """The options the user gave, each as given (a value equal to its built-in default
+        too: it was chosen), and the config file's defaults for those not given. A surface
+        passes only what the user wrote: a keyword, a flag typed, a field in the file."""
+        _check_known(options)
+        return cls._create(options, given=set(options), configured=user_defaults(options))
 
     def replace(self, **changes) -> "RunOptions":
+        """These options with ``changes``; the others keep their values, the config file's
+        among them (it applied once, when these options were created)."""
+        _check_known(changes)
         merged = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         merged.update(changes)
         # only the changed options are checked against remote: fn.options(remote=False) keeps a
         # cluster function's placement options, unused, so it can run here unchanged
-        return RunOptions._create(merged, given=set(changes))
+        return RunOptions._create(merged, given=set(changes), configured={})
 
     @classmethod
-    def _create(cls, options: dict, given: set[str]) -> "RunOptions":
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(
-                f"unknown option{'s' if len(unknown) > 1 else ''} "
-                f"{', '.join(repr(u) + did_you_mean(u, OPTIONS) for u in unknown)}; "
-                f"valid options are: {', '.join(OPTIONS)}"
-            )
-        run = cls(**{**_checked(options), **user_defaults(options)})
+    def _create(cls, options: dict, given: set[str], configured: dict[str, Any]) -> "RunOptions":
+        checked = _checked(options)
+        if "runs_dir" in given and checked["runs_dir"] is None:
+            # runs_dir=None written is the built-in folder; None left unset reads the config
+            # file's when the run is recorded (rundir.runs_root)
+            checked["runs_dir"] = builtin_runs_dir()
+        run = cls(**{**checked, **configured})
         _check_remote_combination(run, given)
         return run
 
@@ -251,22 +279,66 @@ class RunOptions:
         shown = (f"{f.name}={_shown(f.name, getattr(self, f.name))!r}" for f in dataclasses.fields(self))
         return f"RunOptions({', '.join(shown)})"
 
-    def shows_rank(self, rank: int) -> bool:
-        if self.logs == "all":
-            return True
-        if self.logs == "rank0":
-            return rank == 0
-        if self.logs == "none":
-            return False
-        return rank in self.logs
+    def shows_rank(self, rank: int, local_rank: int | None = None) -> bool:
+        return shows(self.logs, rank, local_rank)
+
+
+class LocalRanks(tuple):
+    """``logs`` as local ranks, each machine's own (torchrun's ``--local-ranks-filter 0``:
+    local rank 0 of every machine); a plain tuple of ``logs`` holds global ranks."""
+
+    def __repr__(self) -> str:
+        return f"LocalRanks({tuple(self)!r})"
+
+
+def shows(logs: str | tuple[int, ...], rank: int, local_rank: int | None = None) -> bool:
+    """Whether ``logs`` shows ``rank``'s output live; ``local_rank``: its place on its
+    machine, which ``LocalRanks`` name (default: ``rank``, as on one machine)."""
+    if logs == "all":
+        return True
+    if logs == "rank0":
+        return rank == 0
+    if logs == "none":
+        return False
+    if isinstance(logs, LocalRanks):
+        return (rank if local_rank is None else local_rank) in logs
+    return rank in logs
+
+
+def logs_to_record(logs: str | tuple[int, ...]) -> str | list[int] | dict[str, list[int]]:
+    """``logs`` as a run's record keeps it (JSON), for those who follow the run later."""
+    if isinstance(logs, LocalRanks):
+        return {"local": list(logs)}
+    return list(logs) if isinstance(logs, tuple) else logs
+
+
+def logs_of_record(kept: Any) -> str | tuple[int, ...]:
+    """What ``logs_to_record`` kept, as the option holds it; "all" for a record written before
+    runs kept it."""
+    if isinstance(kept, dict):
+        return LocalRanks(kept.get("local", ()))
+    return tuple(kept) if isinstance(kept, list) else kept if isinstance(kept, str) else "all"
+
+
+def _check_known(options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown option{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(u) + did_you_mean(u, OPTIONS) for u in unknown)}; "
+            f"valid options are: {', '.join(OPTIONS)}"
+        )
 
 
 def check_world(options: RunOptions, world_size: int) -> None:
-    """Checks that need the number of ranks, made once the machine has been looked at."""
+    """Checks that need the number of ranks (of this machine: ``LocalRanks`` name its own),
+    made once the machine has been looked at."""
     if isinstance(options.logs, tuple) and any(r >= world_size for r in options.logs):
+        local = isinstance(options.logs, LocalRanks)
         raise ConfigError(
-            f"{spell('logs', list(options.logs))} names ranks the run does not have: it has "
-            f"{world_size} ranks, 0 to {world_size - 1}"
+            f"{spell('logs', list(options.logs))} names {'local ' if local else ''}ranks the run "
+            f"does not have: it has {world_size} ranks{' on this machine' if local else ''}, "
+            f"0 to {world_size - 1}"
         )
 
 
@@ -361,7 +433,8 @@ OPTIONS = _options(
            "window", "number", {"type": "number", "exclusiveMinimum": 0}, config=True,
            metavar="SHARE", default_note="0.2"),
     Option("collapse_lines", "show a line that many ranks print alike at about the same time "
-           "once, as [ranks 0-7] (the per-rank logs keep every line)", "flag",
+           "once, as [ranks 0-7], and a rank's lines that differ only in their numbers (a loop's "
+           "step 120 loss 0.113) at most every 5 s (the per-rank logs keep every line)", "flag",
            {"type": "boolean"}, config=True, default_note="on"),
     Option("tracking", "MLflow: one run per call, shared by every rank (default: when MLflow is "
            "installed; on: require it; off: never; GPUFLEET_TRACKING=0 turns it off everywhere)", "switch", {"type": ["boolean", "null"]},
@@ -443,13 +516,20 @@ def parse_duration(text: str) -> float:
 _defaults_cache: dict[Path, tuple[int, dict]] = {}
 
 
+def builtin_runs_dir() -> Path:
+    """Where runs go when neither the call nor the config file says: ``$GPUFLEET_HOME/runs``."""
+    return _environ.gpufleet_home() / "runs"
+
+
 def config_path() -> Path:
     return _environ.gpufleet_home() / CONFIG_FILE
 
 
-def user_defaults(given: Mapping[str, Any] = {}) -> dict[str, Any]:
-    """The config file's defaults of options ``given`` leaves at their built-in default
-    (checked, re-read when the file changes). A missing file: none."""
+def user_defaults(given: Collection[str] = ()) -> dict[str, Any]:
+    """The config file's defaults of the options not ``given`` (checked, re-read when the
+    file changes). A missing file: none. Whether an option was given is never judged by its
+    value: ``max_retries=0`` given beats ``max_retries: 3`` in the file, though 0 is the
+    built-in default."""
     path = config_path()
     try:
         stamp = path.stat().st_mtime_ns
@@ -458,7 +538,7 @@ def user_defaults(given: Mapping[str, Any] = {}) -> dict[str, Any]:
     if _defaults_cache.get(path, (None,))[0] != stamp:
         _defaults_cache[path] = (stamp, _read_config(path))
     defaults = _defaults_cache[path][1]
-    return {k: v for k, v in defaults.items() if k not in given or given[k] == OPTIONS[k].default}
+    return {k: v for k, v in defaults.items() if k not in given}
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -489,7 +569,7 @@ def _checked(options: Mapping[str, Any]) -> dict:
         "gpu_type": _check_gpu_type,
         "remote": _check_remote,
         "timeout": _check_timeout,
-        "logs": _check_logs,
+        "logs": check_logs,
         "env": _check_env,
         "runs_dir": _check_runs_dir,
         "max_retries": _check_max_retries,
@@ -537,6 +617,12 @@ def _check_remote_combination(run: RunOptions, given: set[str]) -> None:
             f"{spell('warm', True)} keeps ranks alive on this machine; it does not combine with a "
             f"Ray cluster ({spell('remote', True)}): pass {spell('warm', False)}, or "
             f"{spell('remote', False)}"
+        )
+    if isinstance(run.logs, LocalRanks) and run.remote:  # only the command line gives them
+        raise ConfigError(
+            f"{spell('logs', list(run.logs))} names local ranks, each machine's own, which a run "
+            f"on a Ray cluster does not tell apart: give global ranks instead, e.g. "
+            f"{flag_of('logs')} 0,8"
         )
     if isinstance(run.gpus, tuple) and not run.remote:
         high = run.gpus[1]
@@ -827,7 +913,7 @@ def _seconds(name: str, value, *, means: str, allow_none: bool = True) -> float 
     return float(seconds)
 
 
-def _check_logs(logs):
+def check_logs(logs):
     if isinstance(logs, str):
         if logs.lower() not in LOG_CHOICES:
             raise ConfigError(
@@ -838,7 +924,7 @@ def _check_logs(logs):
     if isinstance(logs, Sequence) and all(
         isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in logs
     ):
-        return tuple(logs)
+        return LocalRanks(logs) if isinstance(logs, LocalRanks) else tuple(logs)
     raise ConfigError(
         f"{spell('logs', logs)} must be all, rank0, none or a list of non-negative rank numbers"
     )

@@ -27,6 +27,11 @@ from cloudpickle import cloudpickle as _cloudpickle_impl
 from gpufleet.errors import GpufleetError, PayloadError
 
 LARGE_PAYLOAD_BYTES = 256 * 2**20
+# A rank's return value past this is a model's weights, most likely, sent by accident: every
+# rank's travels through the run folder and the caller holds them all (8 ranks returning a 1B
+# model's fp32 weights: 32 GB). Said, not refused: the call may mean it.
+LARGE_RESULT_BYTES = 256 * 2**20
+_LOOKED_AT = 100_000  # objects looked into to say what a large value holds
 FULL_DISK_BYTES = 2**20  # less free space than this, and a failed write is named a full disk
 
 
@@ -142,6 +147,53 @@ class _ResultPickler(cloudpickle.Pickler):
 
 def dump_result(value: Any) -> bytes:
     return _dumps(_ResultPickler, value)
+
+
+def large_result_note(value: Any, size: int) -> str | None:
+    """What to tell the user of a return value that pickled to ``size`` bytes, past
+    LARGE_RESULT_BYTES (the models and tensors in it, and the fix); None under it."""
+    if size <= LARGE_RESULT_BYTES:
+        return None
+    modules, tensors = _weights_in(value)
+    held = ""
+    if modules:
+        names = ", ".join(sorted(set(modules))[:3])
+        held = f", {len(modules)} torch module{'s' if len(modules) > 1 else ''} among it ({names})"
+    if tensors:
+        held += f"{',' if not held else ' and'} {tensors / 2**20:.0f} MiB of tensors"
+    return (f"this rank's return value is {size / 2**20:.0f} MiB{held}: every rank's value is "
+            "written to the run folder and read back into the caller, which holds them all in "
+            "memory. Return metrics or paths, and save weights with a checkpoint instead "
+            "(gpufleet.checkpoint.Checkpointer, model.save_pretrained or torch.save to a path)")
+
+
+def _weights_in(value: Any) -> tuple[list[str], int]:
+    """The torch modules in ``value`` (their class names) and the bytes of its tensors, the
+    modules' included, looked for in containers and objects' attributes."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return [], 0
+    modules: list[str] = []
+    tensors = 0
+    seen: set[int] = set()
+    todo = [value]
+    while todo and len(seen) < _LOOKED_AT:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            modules.append(type(obj).__name__)
+            todo += [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, torch.Tensor):
+            tensors += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            todo += obj.values()
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += obj
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            todo += vars(obj).values()
+    return modules, tensors
 
 
 def write_private(path: Path, data: bytes) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "heartbeat",
     "should_stop",
     "step",
+    "flops",
 ]
 
 HEARTBEAT_EVERY_S = 1.0  # at most one file touch per second, however often heartbeat() is called
@@ -42,7 +43,8 @@ _last_heartbeat = 0.0
 _stop_group = None  # (default group it was made under, gloo group) of should_stop()
 _first_group = None  # the same, of main_process_first(): a gloo group with a long timeout
 # The others wait in main_process_first() as long as the first process takes (a download may
-# take hours); a first process that hangs is found by hang_timeout, like any hang.
+# take hours), and in a checkpoint save for the slowest rank; a first process that hangs is
+# found by hang_timeout, like any hang.
 FIRST_WAIT = datetime.timedelta(days=7)
 _call_end_hooks: list[Callable[[], None]] = []  # see _at_call_end()
 
@@ -160,6 +162,24 @@ def step(samples: int | None = None, tokens: int | None = None, total: int | Non
     or with ``step_telemetry=False``.
     """
     return steps.step(samples, tokens, total)
+
+
+def flops(per_token: float | None = None, *, per_sample: float | None = None,
+          per_step: float | None = None, count: bool = True) -> None:
+    """Give the model's FLOPs for MFU (model FLOPs utilisation) in the step telemetry: what
+    this rank's model does per token, per sample or per step (one of them), forward and
+    backward together; for a dense transformer about ``6 * parameters + 12 * layers * hidden *
+    sequence`` per token (weights, then attention).
+
+    Without it, gpufleet counts them itself on one step (torch's FLOP counter, from one
+    step's end to the next; that step runs a little slower, and eagerly under torch.compile)
+    wherever a peak is known: a GPU of its table (A100, H100, H200, L4, L40S, B200) or
+    ``GPUFLEET_PEAK_FLOPS``. ``runtime.flops()`` alone counts them anywhere (steps.json then
+    has them, and an MFU if a peak is known); ``runtime.flops(count=False)`` never counts.
+    The status line, ``gpufleet status``, steps.json and MLflow then show tokens/s per GPU
+    and MFU. Does nothing outside a gpufleet run or with ``step_telemetry=False``.
+    """
+    steps.model_flops(per_token, per_sample, per_step, count)
 
 
 @contextlib.contextmanager
@@ -293,8 +313,9 @@ def _raise_on_failure(dist, group, error: Exception | None) -> None:
 
 
 def _waiting_group(dist):
-    """A gloo group for main_process_first(), with a timeout long enough for any download
-    (made once per default group, by every process at the same call)."""
+    """A gloo group for main_process_first() and the checkpointer's waits in the main thread,
+    with a timeout long enough for any download or save (made once per default group, by
+    every process at the same call)."""
     global _first_group
     default = dist.group.WORLD
     if _first_group is None or _first_group[0] is not default:

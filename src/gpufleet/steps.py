@@ -29,16 +29,25 @@ WINDOW_S) to the attempt's ``steps/rank-N.jsonl``::
      "last": 64, "steps": 24, "wall_s": 1.01, "step_s": 0.041, "step_max_s": 0.05,
      "slowest": [[57, 0.05], ...], "input_s": 0.02, "forward_s": 0.001, "arrive_s": 0.013,
      "samples": 768,
-     "tokens": null, "total": 500, "memory_bytes": ..., "memory_peak_bytes": ...}
+     "tokens": 786432, "total": 500, "flops": 2.9e15, "peak_flops": 9.895e14,
+     "model_flops": {"per": "token", "value": 3.7e9, "counted": true, "dtype": "bf16"},
+     "memory_bytes": ..., "memory_peak_bytes": ...}
 
 (``step_s``, ``forward_s`` and ``arrive_s`` are the window's medians; a mark is null until a
-GPU's events are done, and lands in a later window when they finish late.)
+GPU's events are done, and lands in a later window when they finish late. ``flops``: the
+window's steps' model FLOPs, from the model's FLOPs per token, sample or step
+(``model_flops``: counted on one step, or given; ``flops.py``), null when a step's are unknown;
+``peak_flops``: the GPU's, so that MFU is ``flops / wall_s / peak_flops``.)
 
 Caller side: ``Reader`` follows the files (a Ray rank's are mirrored line by line);
 ``compare`` judges the recent windows (throughput, ETA, the slowest rank, the straggler, ranks
 waiting for input) for the status line (``watch/progress.py`` says it), ``gpufleet status``
 and MLflow (``mlflow_metrics``);
 ``Summary`` is the whole attempt's per-rank table, printed and kept as ``steps.json``.
+
+Past the usual module size because the rank's recorder and the caller's readers share the
+window line's format, which lives nowhere else; what stands alone is beside it (``flops.py``,
+``peaks.py``).
 """
 
 from __future__ import annotations
@@ -57,8 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpufleet import _environ, telemetry
+from gpufleet import _environ, flops, telemetry
 from gpufleet._log import log
+from gpufleet.errors import ConfigError
 from gpufleet.rundir import Ranks, RunDir, rank_list
 
 # What ends a step, strongest first: runtime.step(), the strategies' trainer, the loader's
@@ -95,6 +105,7 @@ class _Window:
     input_s: float = 0.0
     samples: int | None = None
     tokens: int | None = None
+    flops: float | None = 0.0  # the steps' model FLOPs; None once a step's are unknown
 
 
 class _Recorder:
@@ -134,6 +145,15 @@ class _Recorder:
         self.pending: deque[dict[str, Any]] = deque()  # ended steps' events, not read yet
         self.cuda: Any = None  # torch.cuda once the rank uses a GPU
         self.window = _Window(time.perf_counter(), 1)
+        self.figure: flops.Figure | None = None  # the model's FLOPs per token, sample or step
+        self.count_flops: bool | None = None  # runtime.flops(count=); None: where a peak is known
+        self.counter: flops.Counter | None = None  # counting the model's FLOPs now
+        self.counter_driver: str | None = None  # the source of the steps it counts
+        self.flops_tried = False  # counted once in a call: a step with nothing to count stays so
+        self.peak: float | None = None
+        self.peak_override = flops.peak_override()
+        self.device_name: str | None = None
+        self.latest: dict[str, float | None] = {}  # this rank's last window's rates
         _hook_backward()
 
     def finish(self) -> None:
@@ -142,6 +162,7 @@ class _Recorder:
             return
         try:
             self.commit()
+            self.stop_counting()  # a count not finished leaves nothing on the mode stack
             if self.window.step_s or self.pending:
                 self._flush(time.perf_counter(), final=True)
         finally:
@@ -211,6 +232,8 @@ class _Recorder:
         w.step_s.append(step_s)
         w.slowest.append((self.count, step_s))
         w.wall_s += step_s
+        step_flops = self.figure.of_step(self.samples, self.tokens) if self.figure else None
+        w.flops = None if step_flops is None or w.flops is None else w.flops + step_flops
         w.input_s += self.input_s
         if self.events is not None and len(self.events) > 1:  # timed on the GPU, read once done
             self.pending.append(self.events)
@@ -224,6 +247,58 @@ class _Recorder:
         if now - w.start >= WINDOW_S:
             self._flush(now)
         self.began(now)
+
+    # -- the model's FLOPs --------------------------------------------------------------
+
+    def step_boundary(self, driver: str, samples: int | None, tokens: int | None) -> None:
+        """A step of ``driver`` ended (``samples`` and ``tokens``: its counts): the FLOP count
+        that ran over it stops, or, while the model's FLOPs are unknown, one starts."""
+        try:
+            counter = self.counter
+            if counter is not None and self.counter_driver == driver:
+                counter.ended_step(samples, tokens)
+                if counter.on_top():  # else a mode the user entered since is active: stop later
+                    self.stop_counting()
+            elif counter is not None:  # another source counts the steps now: start over with it
+                self.stop_counting(keep=False)
+                self.flops_tried = False
+            self.start_counting(driver)
+        except Exception as exc:  # telemetry never fails a call: no MFU, said once
+            self._counting_failed(exc)
+
+    def start_counting(self, driver: str) -> None:
+        """Count the model's FLOPs from here to ``driver``'s next step end, once per call,
+        while they are unknown and wanted (by default: where a peak is known)."""
+        if self.counter is not None or self.figure is not None or self.flops_tried:
+            return
+        wanted = self.count_flops
+        if wanted is None:
+            wanted = flops.peak_known(self._device_name(), self.peak_override)
+        if not wanted or not flops.Counter.may_start():
+            return
+        counter = flops.Counter()
+        counter.start()
+        self.counter, self.counter_driver = counter, driver
+
+    def stop_counting(self, keep: bool = True) -> None:
+        """End the count in progress; ``keep``: its figure is the model's FLOPs."""
+        counter, self.counter = self.counter, None
+        if counter is None:
+            return
+        self.flops_tried = True
+        try:
+            figure = counter.stop()
+        except Exception as exc:
+            self._counting_failed(exc)
+            return
+        if keep and figure is not None and self.figure is None:
+            self.figure, self.peak = figure, None
+
+    def _counting_failed(self, exc: Exception) -> None:
+        self.flops_tried = True
+        self.counter = None
+        log.warning(f"the model's FLOPs were not counted, so no MFU is shown ({type(exc).__name__}: "
+                    f"{exc}); give them with runtime.flops(per_token=...)")
 
     # -- windows ------------------------------------------------------------------------
 
@@ -240,6 +315,8 @@ class _Recorder:
         w, fd = self.window, self.fd
         assert fd is not None
         self.timed_on_gpu(final)
+        window_flops = w.flops if w.step_s and self.figure is not None else None
+        self.latest = _rates_of(w, window_flops, self._peak())
         line = {
             "rank": self.rank, "node": self.node, "host": self.host, "gpu": self._gpu(),
             "time": time.time(), "first": w.first, "last": self.count,
@@ -248,7 +325,9 @@ class _Recorder:
             "slowest": sorted(w.slowest, key=lambda s: -s[1])[:SLOWEST_KEPT],
             "input_s": round(w.input_s, 6), "forward_s": _median(w.marks[FORWARD]),
             "arrive_s": _median(w.marks[BACKWARD]),
-            "samples": w.samples, "tokens": w.tokens, "total": self.total, **self._memory(),
+            "samples": w.samples, "tokens": w.tokens, "total": self.total,
+            "flops": window_flops, "peak_flops": self.peak,
+            "model_flops": self.figure.as_dict() if self.figure else None, **self._memory(),
         }
         self.window = _Window(now, self.count + 1)
         try:
@@ -277,11 +356,32 @@ class _Recorder:
             self.gpu = entries[index] if index < len(entries) else str(index)
         return self.gpu
 
+    def _device_name(self) -> str | None:
+        """The GPU as CUDA names it (``NVIDIA H100 80GB HBM3``), once this rank uses one."""
+        if self.device_name is None and self._cuda() is not None:
+            self.device_name = self.cuda.get_device_name(self.cuda.current_device())
+        return self.device_name
+
+    def _peak(self) -> float | None:
+        if self.peak is None and self.figure is not None:
+            self.peak = flops.peak_of(self.figure, self._device_name(), self.peak_override)
+        return self.peak
+
     def _memory(self) -> dict:
         if self.cuda is None:
             return {}
         return {"memory_bytes": self.cuda.memory_allocated(),
                 "memory_peak_bytes": self.cuda.max_memory_allocated()}
+
+
+def _rates_of(w: _Window, window_flops: float | None, peak: float | None) -> dict[str, float | None]:
+    """A window's tokens and samples per second, and its MFU."""
+    wall = w.wall_s
+    if not wall:
+        return {}
+    return {"tokens_per_s": None if w.tokens is None else w.tokens / wall,
+            "samples_per_s": None if w.samples is None else w.samples / wall,
+            "mfu": None if window_flops is None or not peak else window_flops / wall / peak}
 
 
 _recorder = _Recorder()  # per process, like the rank it times
@@ -322,13 +422,16 @@ class Step:
             else:
                 r.input_s = max(r.input_s, now - r.start)
             r.in_step = True
+            r.start_counting(USER)
         return self
 
     def __exit__(self, *exc_info) -> None:
         r = _recorder
         if r.fd is not None and r.in_step:
             r.in_step = False
-            r.ended(time.perf_counter(), self.samples, self.tokens)
+            now = time.perf_counter()
+            r.step_boundary(USER, self.samples, self.tokens)
+            r.ended(now, self.samples, self.tokens)
 
 
 def step(samples: int | None = None, tokens: int | None = None, total: int | None = None) -> Step:
@@ -339,8 +442,35 @@ def step(samples: int | None = None, tokens: int | None = None, total: int | Non
             r.total = int(total)
         r.driver = USER
         r.commit()
-        r.deferred = (time.perf_counter(), samples, tokens)
+        now = time.perf_counter()
+        r.step_boundary(USER, r.samples if samples is None else samples,
+                        r.tokens if tokens is None else tokens)
+        r.deferred = (now, samples, tokens)
     return Step(samples, tokens)
+
+
+def model_flops(per_token: Any, per_sample: Any, per_step: Any, count: Any) -> None:
+    """See ``runtime.flops``."""
+    if not isinstance(count, bool):
+        raise ConfigError(f"runtime.flops(count={count!r}) takes True (count the model's FLOPs on "
+                          "one step even where no peak is known) or False (never count them)")
+    given = None
+    if (per_token, per_sample, per_step) != (None, None, None):
+        given = flops.given(per_token, per_sample, per_step)
+    r = _recorder
+    if r.fd is None:
+        return
+    if given is not None or not count:  # a count in progress is not wanted any more
+        r.stop_counting(keep=False)
+    if given is not None:
+        r.figure, r.peak = given, None
+    r.count_flops = count
+
+
+def throughput() -> dict[str, float]:
+    """This rank's ``tokens_per_s``, ``samples_per_s`` and ``mfu`` over its last window (about
+    a second), those known; {} outside a run or before a window (the framework callbacks)."""
+    return {k: v for k, v in _recorder.latest.items() if v is not None} if recording() else {}
 
 
 def trainer_ready(model: Any) -> None:
@@ -361,8 +491,11 @@ def _forward_started(module: Any, args: Any) -> None:
 
 def trainer_step() -> None:
     """``Prepared.step()`` stepped the optimizer."""
-    if recording() and _recorder.driver == TRAINER:
-        _recorder.ended(time.perf_counter())
+    r = _recorder
+    if recording() and r.driver == TRAINER:
+        now = time.perf_counter()
+        r.step_boundary(TRAINER, r.samples, r.tokens)
+        r.ended(now)
 
 
 def fetching() -> None:
@@ -371,7 +504,9 @@ def fetching() -> None:
     r = _recorder
     if recording() and r.driver in (None, LOADER):
         r.driver = LOADER
-        r.ended(time.perf_counter())
+        now = time.perf_counter()
+        r.step_boundary(LOADER, r.samples, r.tokens)
+        r.ended(now)
 
 
 def backward_is_local(local: bool) -> None:
@@ -420,6 +555,7 @@ class Reader:
     the live view, and per-rank totals for the summary."""
 
     def __init__(self, folder: RunDir, ranks: Ranks):
+        self.folder = folder
         self._files = [telemetry.Follower(folder.steps(rank), _is_window) for rank in rank_list(ranks)]
         self.recent: dict[int, deque[dict]] = {}
         self.totals: dict[int, _Totals] = {}
@@ -462,6 +598,11 @@ class _Totals:
     forward_medians: array = field(default_factory=lambda: array("d"))
     slowest: list[tuple[int, float]] = field(default_factory=list)
     samples: int | None = None
+    tokens: int | None = None
+    token_rates: array = field(default_factory=lambda: array("d"))  # each window's tokens/s
+    mfus: array = field(default_factory=lambda: array("d"))  # each window's MFU
+    model_flops: dict | None = None
+    peak_flops: float | None = None
     memory_peak_bytes: int | None = None
     where: dict = field(default_factory=dict)
 
@@ -480,9 +621,22 @@ class _Totals:
                               key=lambda s: -s[1])[:SLOWEST_KEPT]
         if window.get("samples") is not None:
             self.samples = (self.samples or 0) + window["samples"]
+        self._add_rates(window)
         if window.get("memory_peak_bytes") is not None:
             self.memory_peak_bytes = max(self.memory_peak_bytes or 0, window["memory_peak_bytes"])
         self.where = {k: window.get(k) for k in ("host", "gpu", "node")}
+
+    def _add_rates(self, window: dict) -> None:
+        wall = window.get("wall_s")
+        if window.get("tokens") is not None:
+            self.tokens = (self.tokens or 0) + window["tokens"]
+            if wall:
+                self.token_rates.append(window["tokens"] / wall)
+        mfu = _window_mfu(window)
+        if mfu is not None:
+            self.mfus.append(mfu)
+        self.model_flops = window.get("model_flops") or self.model_flops
+        self.peak_flops = window.get("peak_flops") or self.peak_flops
 
 
 @dataclass(frozen=True)
@@ -499,6 +653,8 @@ class RankView:
     input_share: float  # of its time, waiting for input
     late_s: float | None = None  # arrive_s minus the other ranks' median arrive_s
     windows: int = 0
+    tokens_per_s: float | None = None  # this rank's (its GPU's)
+    mfu: float | None = None  # its model FLOPs per second over its GPU's peak
 
     def as_dict(self, found: Comparison) -> dict:
         share = found.late_share(self)
@@ -506,7 +662,9 @@ class RankView:
                 "step_s": self.step_s, "forward_s": self.forward_s, "arrive_s": self.arrive_s,
                 "late_s": self.late_s,
                 "late_share": None if share is None else round(share, 4),
-                "input_wait_share": round(self.input_share, 4)}
+                "input_wait_share": round(self.input_share, 4),
+                "tokens_per_s": self.tokens_per_s,
+                "mfu": None if self.mfu is None else round(self.mfu, 4)}
 
     def where(self) -> str:
         parts = [p for p in (self.host, f"GPU {self.gpu}" if self.gpu is not None else None) if p]
@@ -529,6 +687,12 @@ class Comparison:
     input_bound: list[RankView]
 
     @property
+    def mfu(self) -> float | None:
+        """The ranks' mean MFU (each its own GPU's), where known."""
+        known = [v.mfu for v in self.ranks if v.mfu is not None]
+        return sum(known) / len(known) if known else None
+
+    @property
     def eta_s(self) -> float | None:
         if self.total is None or not self.steps_per_s:
             return None
@@ -539,7 +703,7 @@ class Comparison:
         return {
             "step": self.step, "total": self.total, "step_s": self.step_s,
             "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
-            "steps_per_s": self.steps_per_s,
+            "steps_per_s": self.steps_per_s, "mfu": None if self.mfu is None else round(self.mfu, 4),
             "straggler": self.straggler.as_dict(self) if self.straggler else None,
             "slowest": self.slowest.as_dict(self) if self.slowest else None,
             "input_bound_ranks": [v.rank for v in self.input_bound],
@@ -562,6 +726,7 @@ def compare(recent: Mapping[int, Iterable[dict]], threshold: float) -> Compariso
             continue
         last = windows[-1]
         wall = sum(w.get("wall_s") or 0.0 for w in windows)
+        rate = _rates(windows, wall)
         steps = [w["step_s"] for w in windows if w.get("step_s") is not None]
         arrivals = [w["arrive_s"] for w in windows if w.get("arrive_s") is not None]
         views.append(RankView(
@@ -570,9 +735,9 @@ def compare(recent: Mapping[int, Iterable[dict]], threshold: float) -> Compariso
             arrive_s=statistics.median(arrivals) if arrivals else None,
             forward_s=_median_of(windows, "forward_s"),
             input_share=(sum(w.get("input_s") or 0.0 for w in windows) / wall) if wall else 0.0,
-            windows=len(windows),
+            windows=len(windows), tokens_per_s=rate[1], mfu=_mfu(windows),
         ))
-        rates.append(_rates(windows, wall))
+        rates.append(rate)
         total = last.get("total") if last.get("total") is not None else total
     if not views:
         return None
@@ -603,6 +768,20 @@ def _rates(windows: list[dict], wall: float) -> tuple[float | None, float | None
     tokens = [w["tokens"] for w in windows if w.get("tokens") is not None]
     return (sum(samples) / wall if samples else None, sum(tokens) / wall if tokens else None,
             sum(w["steps"] for w in windows) / wall)
+
+
+def _mfu(windows: list[dict]) -> float | None:
+    """A rank's MFU over its windows whose FLOPs are known: their FLOPs per second of their
+    steps, over the GPU's peak."""
+    known = [w for w in windows if _window_mfu(w) is not None]
+    if not known:
+        return None
+    return sum(w["flops"] for w in known) / sum(w["wall_s"] for w in known) / known[-1]["peak_flops"]
+
+
+def _window_mfu(window: dict) -> float | None:
+    flops_, wall, peak = window.get("flops"), window.get("wall_s"), window.get("peak_flops")
+    return flops_ / wall / peak if flops_ is not None and wall and peak else None
 
 
 def _with_lateness(view: RankView, views: list[RankView]) -> RankView:
@@ -645,6 +824,7 @@ class Summary:
 
     ranks: list[dict]
     straggler: int | None
+    shrinks: list[dict] = field(default_factory=list)  # the micro-batch's, after a CUDA OOM
 
     @classmethod
     def of(cls, reader: Reader, threshold: float) -> Summary | None:
@@ -660,6 +840,8 @@ class Summary:
                 "input_wait_share": round(t.input_s / t.wall_s, 4) if t.wall_s else None,
                 "samples": t.samples, "gpu_memory_peak_bytes": t.memory_peak_bytes,
                 "slowest_steps": [{"step": s, "seconds": round(v, 6)} for s, v in t.slowest],
+                "tokens": t.tokens, "tokens_per_s": _stat(t.token_rates), "mfu": _stat(t.mfus),
+                "model_flops": t.model_flops, "peak_flops": t.peak_flops,
             })
         steps = [r["median_step_s"] for r in rows if r["median_step_s"] is not None]
         step_s = statistics.median(steps) if steps else None
@@ -674,40 +856,51 @@ class Summary:
             if step_s and row["late_s"] >= threshold * step_s and (
                     straggler is None or row["late_s"] > rows[straggler]["late_s"]):
                 straggler = row["rank"]
-        return cls(rows, straggler)
+        from gpufleet.memory import records  # written by MicroBatches; read here at the end only
+
+        return cls(rows, straggler, records.read(reader.folder.path))
 
     def save(self, path: Path) -> None:
         from gpufleet.payload import write_private
 
-        data = {"ranks": self.ranks, "straggler": self.straggler}
+        data = {"ranks": self.ranks, "straggler": self.straggler,
+                **({"memory_shrinks": self.shrinks} if self.shrinks else {})}
         write_private(path, (json.dumps(data, indent=1) + "\n").encode())
 
     def table(self) -> str:
-        """``rank  host  GPU  steps  median step  input wait  late  [peak GPU memory]  slowest
-        steps`` per rank: SUMMARY_ROWS at most, the latest ones."""
+        """``rank  host  GPU  steps  median step  input wait  late  [tokens/s]  [MFU]  [peak GPU
+        memory]  slowest steps`` per rank (tokens/s and MFU: the median window's):
+        SUMMARY_ROWS at most, the latest ones."""
         shown = self.ranks
         if len(shown) > SUMMARY_ROWS:  # the latest ranks, the straggler first among them
             latest = sorted(shown, key=lambda r: -(r.get("late_s") or 0.0))[:SUMMARY_ROWS]
             shown = sorted(latest, key=lambda r: r["rank"])
-        memory = any(r.get("gpu_memory_peak_bytes") for r in shown)
+        optional = [(title, key, show) for title, key, show in (
+            ("tokens/s", "tokens_per_s", _count), ("MFU", "mfu", lambda v: f"{v:.1%}"),
+            ("peak GPU memory", "gpu_memory_peak_bytes", lambda v: f"{v / 2**30:.1f} GiB"),
+        ) if any(r.get(key) for r in shown)]
         head = ("rank", "host", "GPU", "steps", "median step", "input wait", "late",
-                *(("peak GPU memory",) if memory else ()), "slowest steps")
+                *(title for title, _, _ in optional), "slowest steps")
         rows = [head]
         for r in shown:
-            late, peak = r.get("late_s"), r.get("gpu_memory_peak_bytes")
+            late = r.get("late_s")
             rows.append((
                 str(r["rank"]), str(r.get("host") or "-"), str(r.get("gpu") or "-"),
                 str(r["steps"]), _seconds(r["median_step_s"]),
                 "-" if r["input_wait_share"] is None else f"{r['input_wait_share']:.0%}",
                 "-" if late is None else f"{'+' if late >= 0 else '-'}{_seconds(abs(late))}"
                 + (" straggler" if r["rank"] == self.straggler else ""),
-                *((f"{peak / 2**30:.1f} GiB" if peak else "-",) if memory else ()),
+                *(show(r[key]) if r.get(key) else "-" for _, key, show in optional),
                 ", ".join(f"#{s['step']} {_seconds(s['seconds'])}" for s in r["slowest_steps"]),
             ))
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         if len(shown) < len(self.ranks):
             lines.append(f"  ({len(self.ranks) - len(shown)} more ranks, less late, in steps.json)")
+        if self.shrinks:
+            from gpufleet.memory import records
+
+            lines += [f"  micro-batch: {records.describe(shrink)}" for shrink in self.shrinks]
         return "\n".join(lines)
 
 
@@ -721,6 +914,14 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+def _count(value: float) -> str:
+    """3.2k, 41.5M: a rate as the status line and the summary show it."""
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= size:
+            return f"{value / size:.3g}{unit}"
+    return f"{value:.3g}"
+
+
 # ---------------------------------------------------------------------------- MLflow
 
 
@@ -728,8 +929,9 @@ def mlflow_metrics(windows: list[dict],
                    found: Comparison | None) -> tuple[list[tuple[str, float, int, int]], dict[str, str]]:
     """What a round of windows logs: ``(name, value, timestamp ms, step)`` for each rank's
     series (``steps/rank1/step_s``, ``.../arrive_s``, ``.../input_wait_share``,
-    ``.../samples_per_s``), the median and max across ranks of the round's step times, the
-    slowest rank's lateness; and the straggler's tag (``gpufleet.straggler``)."""
+    ``.../samples_per_s``, ``.../tokens_per_s``, ``.../mfu``), the median and max across ranks
+    of the round's step times, the ranks' mean MFU (``steps/mfu``), the slowest rank's
+    lateness; and the straggler's tag (``gpufleet.straggler``)."""
     metrics: list[tuple[str, float, int, int]] = []
     by_step: dict[int, list[float]] = {}
     for w in windows:
@@ -737,7 +939,9 @@ def mlflow_metrics(windows: list[dict],
         wall = w.get("wall_s") or 0.0
         values = {"step_s": w.get("step_s"), "forward_s": w.get("forward_s"), "arrive_s": w.get("arrive_s"),
                   "input_wait_share": (w.get("input_s") or 0.0) / wall if wall else None,
-                  "samples_per_s": w["samples"] / wall if wall and w.get("samples") is not None else None}
+                  "samples_per_s": w["samples"] / wall if wall and w.get("samples") is not None else None,
+                  "tokens_per_s": w["tokens"] / wall if wall and w.get("tokens") is not None else None,
+                  "mfu": _window_mfu(w)}
         metrics += [(f"{name}/{k}", float(v), stamp, step) for k, v in values.items() if v is not None]
         if w.get("step_s") is not None:
             by_step.setdefault(step, []).append(w["step_s"])
@@ -748,6 +952,8 @@ def mlflow_metrics(windows: list[dict],
         if times:
             metrics += [("steps/step_s_p50", statistics.median(times), stamp, step),
                         ("steps/step_s_max", max(times), stamp, step)]
+        if found is not None and found.mfu is not None:
+            metrics.append(("steps/mfu", found.mfu, stamp, step))
         if found is not None and found.slowest is not None:
             share = found.late_share(found.slowest)
             if share is not None:

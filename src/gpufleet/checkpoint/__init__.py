@@ -77,6 +77,11 @@ from gpufleet.errors import ConfigError, GpufleetError
 __all__ = ["Checkpointer"]
 
 _OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
+# How long a rank waits for the others in a save or restore: as long as the slowest rank's
+# part takes (a big model's upload takes hours), never a collective timeout's 10 or 30
+# minutes. A peer that dies breaks gloo's connections at once, and gpufleet stops the others;
+# a save that hangs is bounded by the call's own timeout.
+SAVE_WAIT = datetime.timedelta(days=7)
 
 
 class Checkpointer:
@@ -199,6 +204,7 @@ class Checkpointer:
         else:
             dcp.save(state, checkpoint_id=folder, process_group=group)
             self._publish(step, record, None)
+        _leave_together(group)
 
     def wait(self) -> None:
         """Block until the save in flight is published; raise its error if it failed."""
@@ -486,8 +492,8 @@ class Checkpointer:
         users the ``cpu:gloo,cuda:nccl`` default group that DCP's async save otherwise needs."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
+        if self._group is None:  # with a timeout of its own: gloo's default is 30 minutes
+            self._group = dist.new_group(backend="gloo", timeout=SAVE_WAIT)
         return self._group
 
     def _thread(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -496,6 +502,17 @@ class Checkpointer:
                 max_workers=1, thread_name_prefix="gpufleet-checkpoint"
             )
         return self._executor
+
+
+def _leave_together(group: Any) -> None:
+    """Every rank leaves ``save`` once the slowest has handed its state over (gathered it,
+    copied it to CPU memory, or, for a synchronous save, written it): otherwise the ranks done
+    first would wait for it in training's next collective, under the training group's timeout
+    (NCCL's 10 minutes, or what ``setup(timeout=)`` says), and a big model's slow rank would
+    fail the run. The wait is on gpufleet's main-thread group with a long timeout: the
+    checkpointer's own group carries its background thread's collectives at the same time."""
+    if group is not None:
+        dist.barrier(group=runtime._waiting_group(dist))
 
 
 def wait_all() -> None:

@@ -13,7 +13,11 @@ In a rank of a gpufleet run the callback
 - sends a heartbeat every step, micro-batch and evaluation batch, and every second while the
   Trainer saves a checkpoint, so that ``hang_timeout`` takes none of them for a hang;
 - counts each optimizer step for gpufleet's step telemetry (``runtime.step``: the status line's
-  ``step 120/500``, ETA, stragglers);
+  ``step 120/500``, ETA, stragglers), with its samples and its tokens (the ``input_ids`` of
+  the model's training forward passes), so that tokens/s and MFU are shown;
+- adds rank 0's ``device/tokens_per_s`` and ``device/mfu`` (its GPU's, over its last second of
+  steps) to what the Trainer logs, so that its printed logs and ``state.log_history`` carry
+  them (reporting integrations the Trainer calls before this callback do not);
 - forwards what the Trainer logs (``on_log``: loss, learning rate, grad norm, evaluation
   metrics) from rank 0, at the Trainer's global step, to ``gpufleet.log_metrics``: the call's
   MLflow run and its status line. When the Trainer reports to MLflow itself
@@ -22,7 +26,11 @@ In a rank of a gpufleet run the callback
 - asks ``runtime.should_stop()`` at every step's end, or every ``check_stop_every`` steps (a
   SIGTERM to the caller: a preemption), and then has the Trainer save a checkpoint
   (``checkpoint-N`` in ``output_dir``) and stop cleanly, within ``grace_period``; ``stopped``
-  tells the code after ``train()``.
+  tells the code after ``train()``;
+- checks, at the model's first training forward pass, the memory estimate of the step
+  against the rank's free GPU memory (``memory_check``: ``"warn"``, ``"error"``, ``"off"``;
+  ``gpufleet.memory``), from the Trainer's own settings (strategy, precision, optimizer,
+  gradient checkpointing) and the batch it sees.
 
 ``last_checkpoint`` is the one line that makes ``train()`` resume: on a retry
 (``max_retries``) or the next call, from the newest complete ``checkpoint-N``.
@@ -45,9 +53,10 @@ except ImportError as exc:  # an optional extra: say how to get it
     raise ImportError("gpufleet.integrations.huggingface needs Transformers: pip install 'gpufleet[hf]'") from exc
 
 import gpufleet
-from gpufleet import _environ, runtime
+from gpufleet import _environ, runtime, steps
 from gpufleet._log import log
 from gpufleet.errors import ConfigError
+from gpufleet.memory import check
 from gpufleet.tracking import _progress
 
 __all__ = ["GpufleetCallback", "last_checkpoint"]
@@ -87,15 +96,22 @@ class GpufleetCallback(TrainerCallback):
     ``check_stop_every``: ask ``runtime.should_stop()`` every this many optimizer steps. Each
     ask is one small all-reduce across the ranks (about 0.1-0.3 ms); with steps of a few
     milliseconds, asking every 10 or 100 steps keeps that out of the step time.
+
+    ``memory_check``: what a first step that does not fit the rank's free GPU memory does:
+    ``"warn"`` (a warning in the rank's log), ``"error"`` (``MemoryCheckError`` before it
+    starts) or ``"off"`` (no check); default: ``GPUFLEET_MEMORY_CHECK``, else ``"warn"``.
     """
 
-    def __init__(self, check_stop_every: int = 1) -> None:
+    def __init__(self, check_stop_every: int = 1, memory_check: str | None = None) -> None:
         _check_every(check_stop_every)
+        self.memory_check = check.check_option(memory_check)
         self.check_stop_every = check_stop_every
         self.stopped = False
         self._active = False  # inside a gpufleet run: set when training begins
         self._progress_only = False  # the Trainer logs into the call's MLflow run itself
         self._samples: int | None = None  # per optimizer step, on this rank
+        self._tokens = 0  # of this optimizer step's training forward passes, on this rank
+        self._counting: Any = None  # the forward pre-hook that counts them
         self._total: int | None = None  # optimizer steps this call will run
         self._saving = contextlib.ExitStack()  # heartbeats while a checkpoint is written
         self._beating = False  # ``_saving`` holds runtime._working()
@@ -108,6 +124,12 @@ class GpufleetCallback(TrainerCallback):
         self._progress_only = "mlflow" in (args.report_to or ()) and bool(os.environ.get("MLFLOW_RUN_ID"))
         self._samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
         self._total = max(state.max_steps - state.global_step, 0) or None
+        self._tokens = 0
+        model = kwargs.get("model")
+        if model is not None and self._counting is None:
+            self._counting = model.register_forward_pre_hook(self._count_tokens, with_kwargs=True)
+        if model is not None:
+            check.watch(model, _training(args, kwargs.get("optimizer")), self.memory_check)
         runtime.heartbeat()
         if state.global_step and state.is_world_process_zero:
             log.info(f"the Trainer resumed at step {state.global_step} of {state.max_steps}")
@@ -124,7 +146,8 @@ class GpufleetCallback(TrainerCallback):
         if not self._active:
             return
         runtime.heartbeat()
-        runtime.step(samples=self._samples, total=self._total)
+        runtime.step(samples=self._samples, tokens=self._tokens or None, total=self._total)
+        self._tokens = 0
         # A collective, at the same step on every rank: they save and stop together.
         if state.global_step % self.check_stop_every == 0 and runtime.should_stop():
             self.stopped = True
@@ -150,9 +173,22 @@ class GpufleetCallback(TrainerCallback):
                   if isinstance(v, numbers.Real) and not isinstance(v, bool)}
         if values:
             _forward(values, state.global_step, self._progress_only)
+        if "loss" in logs:  # a training log: with this GPU's throughput
+            _add_throughput(logs, state)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._quiet()
+        if self._counting is not None:
+            self._counting.remove()
+            self._counting = None
+
+    def _count_tokens(self, module, args, kwargs) -> None:
+        """A forward pass's tokens (its ``input_ids``), when training: evaluation's do not count."""
+        if not module.training:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and hasattr(ids, "numel") and not ids.is_floating_point():
+            self._tokens += int(ids.numel())
 
     def _quiet(self) -> None:
         """End the heartbeats of a save: past it, silence counts again for hang_timeout."""
@@ -161,9 +197,37 @@ class GpufleetCallback(TrainerCallback):
             self._saving.close()
 
 
+def _training(args: Any, optimizer: Any) -> check.Training:
+    """How the Trainer trains, as the memory estimate needs it."""
+    strategy = "fsdp" if args.fsdp else "ddp"
+    if args.deepspeed:
+        config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None) or {}
+        stage = config.get("zero_optimization", {}).get("stage", 0)
+        strategy = f"zero{stage}" if stage in (1, 2, 3) else "ddp"
+    named = str(getattr(args.optim, "value", args.optim))
+    kind = check.optimizer_name(optimizer) if optimizer is not None else (
+        "adam8bit" if "8bit" in named else "adamw")
+    checkpointing = getattr(args, "activation_checkpointing", None)  # Transformers 5's name
+    if checkpointing is None:
+        checkpointing = getattr(args, "gradient_checkpointing", False)
+    return check.Training(strategy, "bf16" if args.bf16 or args.fp16 else "fp32", kind, bool(checkpointing))
+
+
 def _check_every(every: object) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ConfigError(f"check_stop_every={every!r} must be a whole number of steps ≥ 1 (1: every step)")
+
+
+def _add_throughput(logs: dict, state) -> None:
+    """This rank's tokens/s and MFU into the Trainer's logs and, when it is this log's entry,
+    its ``log_history``."""
+    found = {f"device/{k}": round(v, 4) for k, v in steps.throughput().items() if k != "samples_per_s"}
+    if not found:
+        return
+    logs.update(found)
+    history = state.log_history
+    if history and history[-1].get("step") == state.global_step and "loss" in history[-1]:
+        history[-1].update(found)
 
 
 def _forward(values: dict[str, Any], step: int, progress_only: bool) -> None:

@@ -12,7 +12,12 @@ In a rank of a gpufleet run the callback
 - sends a heartbeat every training and validation batch, so that ``hang_timeout`` takes no
   step for a hang;
 - counts each optimizer step for gpufleet's step telemetry (``runtime.step``: the status line's
-  ``step 120/500``, ETA, stragglers);
+  ``step 120/500``, ETA, stragglers), with its tokens when ``tokens`` says how to count a
+  batch's; a LightningModule's ``flops_per_batch`` (the attribute Lightning's
+  ``ThroughputMonitor`` reads) gives the model's FLOPs for MFU, which gpufleet otherwise counts
+  itself on one step where a GPU's peak is known;
+- logs rank 0's ``device/tokens_per_s`` and ``device/mfu`` (its GPU's, over its last second of
+  steps) to the trainer's loggers on the steps Lightning logs;
 - forwards what the LightningModule logs for its loggers (``self.log``, ``trainer.logged_metrics``)
   from rank 0, at the trainer's global step, to ``gpufleet.log_metrics``: the call's MLflow run
   and its status line. A step's values go on the steps Lightning logs (``log_every_n_steps``),
@@ -25,7 +30,12 @@ In a rank of a gpufleet run the callback
   (``last.ckpt`` in its ``dirpath``: the first one with ``save_last``, else the first) and
   stops training cleanly, within ``grace_period``, as ``EarlyStopping`` would (Lightning runs
   the epoch's validation first when the loop has one); ``stopped`` tells the code after
-  ``fit()``.
+  ``fit()``;
+- checks, at the LightningModule's first training forward pass (``self(batch)`` in
+  ``training_step``; a module that calls only its submodules is not checked), the memory
+  estimate of the step against the rank's free GPU memory (``memory_check``: ``"warn"``,
+  ``"error"``, ``"off"``; ``gpufleet.memory``), from the trainer's strategy, precision and
+  optimizer.
 
 Resuming is Lightning's own: ``fit(..., ckpt_path="last")`` loads the newest ``last*.ckpt`` of
 the ``ModelCheckpoint`` folders, and starts from scratch, with a warning, when there is none.
@@ -42,6 +52,8 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -52,9 +64,10 @@ except ImportError as exc:  # an optional extra: say how to get it
     raise ImportError("gpufleet.integrations.lightning needs Lightning: pip install lightning") from exc
 
 import gpufleet
-from gpufleet import _environ, runtime
+from gpufleet import _environ, runtime, steps
 from gpufleet._log import log
 from gpufleet.errors import ConfigError
+from gpufleet.memory import check
 from gpufleet.tracking import _progress
 
 __all__ = ["GpufleetCallback"]
@@ -67,13 +80,27 @@ class GpufleetCallback(Callback):
     ``check_stop_every``: ask ``runtime.should_stop()`` every this many optimizer steps. Each
     ask is one small all-reduce across the ranks (about 0.1-0.3 ms); with steps of a few
     milliseconds, asking every 10 or 100 steps keeps that out of the step time.
+
+    ``tokens``: a function of a training batch that says how many tokens it holds (for example
+    ``lambda batch: batch["input_ids"].numel()``), for tokens/s and a per-token MFU.
+
+    ``memory_check``: what a first step that does not fit the rank's free GPU memory does:
+    ``"warn"`` (a warning in the rank's log), ``"error"`` (``MemoryCheckError`` before it
+    starts) or ``"off"`` (no check); default: ``GPUFLEET_MEMORY_CHECK``, else ``"warn"``.
     """
 
-    def __init__(self, check_stop_every: int = 1) -> None:
+    def __init__(self, check_stop_every: int = 1, *, tokens: Callable[[Any], int] | None = None,
+                 memory_check: str | None = None) -> None:
         if isinstance(check_stop_every, bool) or not isinstance(check_stop_every, int) or check_stop_every < 1:
             raise ConfigError(f"check_stop_every={check_stop_every!r} must be a whole number of steps ≥ 1 "
                               "(1: every step)")
+        if tokens is not None and not callable(tokens):
+            raise ConfigError(f"tokens={tokens!r} must be a function of a batch that returns its "
+                              "number of tokens, e.g. lambda batch: batch['input_ids'].numel()")
         self.check_stop_every = check_stop_every
+        self.memory_check = check.check_option(memory_check)
+        self.tokens = tokens
+        self._tokens = 0  # of this optimizer step's batches
         self.stopped = False
         self._active = False  # inside a gpufleet run: set when training starts
         self._progress_only = False  # an MLFlowLogger writes into the call's run itself
@@ -91,6 +118,11 @@ class GpufleetCallback(Callback):
         self._total = int(total) if math.isfinite(total) and total > 0 else None
         self._step = trainer.global_step
         self._sent = {}
+        self._tokens = 0
+        per_batch = getattr(pl_module, "flops_per_batch", None)
+        if per_batch:  # Lightning's convention (measure_flops): forward and backward of a batch
+            runtime.flops(per_step=per_batch * trainer.accumulate_grad_batches)
+        check.watch(pl_module, _training(trainer), self.memory_check)
         runtime.heartbeat()
         if trainer.is_global_zero:
             _check_checkpointing(trainer)
@@ -99,12 +131,16 @@ class GpufleetCallback(Callback):
         if not self._active:
             return
         runtime.heartbeat()
+        if self.tokens is not None:
+            self._tokens += int(self.tokens(batch))
         if trainer.global_step == self._step:  # a micro-batch of gradient accumulation
             return
         self._step = trainer.global_step
-        runtime.step(total=self._total)
+        runtime.step(tokens=self._tokens or None, total=self._total)
+        self._tokens = 0
         if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             self._forward(trainer)
+            _log_throughput(trainer)
         # a collective, at the same step on every rank
         if trainer.global_step % self.check_stop_every == 0 and runtime.should_stop():
             self._save_and_stop(trainer)
@@ -157,6 +193,26 @@ class GpufleetCallback(Callback):
         checkpoint.last_model_path = path  # its last checkpoint, in the state saved, and after
         with runtime._working():
             trainer.save_checkpoint(path)
+
+
+def _log_throughput(trainer) -> None:
+    """Rank 0's tokens/s and MFU, to the trainer's loggers (as ThroughputMonitor's ``device/``
+    values), at this step."""
+    found = {f"device/{k}": v for k, v in steps.throughput().items() if k != "samples_per_s"}
+    if found and trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(found, step=trainer.global_step)
+
+
+def _training(trainer) -> check.Training:
+    """How the trainer trains, as the memory estimate needs it."""
+    kind = type(trainer.strategy).__name__
+    strategy = "fsdp" if kind in ("FSDPStrategy", "ModelParallelStrategy") else "ddp"
+    if kind == "DeepSpeedStrategy":
+        stage = getattr(trainer.strategy, "config", {}).get("zero_optimization", {}).get("stage", 0)
+        strategy = f"zero{stage}" if stage in (1, 2, 3) else "ddp"
+    optimizer = check.optimizer_name(trainer.optimizers[0]) if trainer.optimizers else "adamw"
+    return check.Training(strategy, "bf16" if "16" in str(trainer.precision) else "fp32", optimizer)
 
 
 def _logs_into_the_call(trainer) -> bool:

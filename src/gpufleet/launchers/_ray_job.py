@@ -187,6 +187,9 @@ class RayJob(Job):
             if group is not None:  # also one made just before a Ctrl-C stopped the launch
                 _quietly(remove_placement_group, group)
             self._released = True
+            # every rank was handed it, and its node's copy goes with close(): the MLflow URI,
+            # which may hold a password, stays on no machine of a cluster (docs/security.md)
+            self.run.tracking.unlink(missing_ok=True)
             if self.returncode is None:  # the report could not be written: still end
                 self.returncode = 1
                 self._done.set()

@@ -1,4 +1,4 @@
-"""The kept template: ``python -m gpufleet.launchers._template_server FOLDER KEY FINGERPRINT IDLE``.
+"""The kept template: ``python -m gpufleet.launchers._template_server FOLDER KEY FINGERPRINT IDLE PID_FD``.
 
 A process of the user's that has imported torch, elastic's agent and gpufleet's rank code once,
 and forks each run's agent (``_elastic_agent``) when a caller asks (``template.py`` is the
@@ -20,6 +20,14 @@ start") says why it is shaped so; in short:
 
 It listens on one Unix stream socket, ``FOLDER/KEY.sock``, in a folder only the user can enter,
 and refuses a peer of another user (``SO_PEERCRED``); ``_template_wire.py`` is what is said on it.
+
+- **Nobody's child.** It forks once as it starts and the first process exits (it writes the
+  template's pid to ``PID_FD`` first), so the caller that started it has no child left, and init
+  (or the nearest subreaper) adopts it.
+- **Bounded.** Idle, it ends after IDLE seconds; sooner once its socket is gone (its
+  ``GPUFLEET_HOME`` was deleted), and once it has been idle for SHARED_GRACE_SECONDS while
+  KEPT_IDLE other templates of the user, in any home, were used since: so a test suite or a
+  sweep with a home per run keeps two idle templates, not one per home.
 """
 
 from __future__ import annotations
@@ -57,18 +65,35 @@ PRELOAD = (
     "gpufleet.launchers._elastic_agent",
 )
 REQUEST_SECONDS = 5.0  # for a connected caller to send its request
+KEPT_IDLE = 2  # other templates of the user used since, beyond which an idle one ends
+SHARED_GRACE_SECONDS = 60.0  # idle this long first: calls a minute apart keep their template
+CHECK_SECONDS = 5.0  # how often an idle template looks at the others and at its socket
+MODULE = "gpufleet.launchers._template_server"
 
 
 # -- the server --------------------------------------------------------------------------------
 
 def main(argv: list[str]) -> None:
     folder, key, fingerprint, idle = Path(argv[1]), argv[2], argv[3], float(argv[4])
-    _process.retitle([sys.executable, "-m", "gpufleet.launchers._template_server", *argv[1:5]])
+    _leave_the_caller(int(argv[5]))
+    _process.retitle([sys.executable, "-m", MODULE, *argv[1:5]])
     os.umask(0o077)
     started = time.time()
     for module in PRELOAD:
         __import__(module)
     Server(folder, key, fingerprint, idle, time.time() - started).serve()
+
+
+def _leave_the_caller(pid_fd: int) -> None:
+    """Fork, tell the caller the child's pid, and let this first process exit (the caller waits
+    for it): the template goes on as no process's child, adopted by init. A template that
+    stayed the caller's child held on for its whole idle time to a process that had long
+    finished its call, as a leftover child of a notebook kernel, a test or a CI step."""
+    pid = os.fork()
+    if pid:
+        os.write(pid_fd, str(pid).encode())
+        os._exit(0)
+    os.close(pid_fd)
 
 
 class Server:
@@ -102,20 +127,22 @@ class Server:
             "pid": os.getpid(), "key": key, "fingerprint": fingerprint, "started": time.time(),
             "import_seconds": round(import_seconds, 3), "python": sys.executable, "idle_seconds": idle,
         }
+        self.used_at = time.time()  # the last request, or the last agent's end (for the others)
         self._describe()
 
     def _describe(self) -> None:
         """What ``gpufleet template status`` shows: written whole, then renamed into place."""
         staging = self.info.with_suffix(".json.new")
         staging.write_text(json.dumps({**self.description, "runs": self.served["agent"],
-                                       "trackers": self.served["tracker"], "running": len(self.agents)}))
+                                       "trackers": self.served["tracker"], "running": len(self.agents),
+                                       "used_at": self.used_at}))
         os.rename(staging, self.info)
 
     def serve(self) -> None:
         try:
             while not (self.closing and not self.agents):
                 self._step()
-                if not self.agents and time.monotonic() - self.last_used > self.idle:
+                if not self.agents and not self.closing and self._done():
                     self._close()
         finally:
             self._unlink()
@@ -124,7 +151,8 @@ class Server:
         watched: list[int | socket.socket] = [self.wake_r, *self.agents.values()]
         if not self.closing:
             watched.append(self.listener)
-        timeout = max(0.0, self.idle - (time.monotonic() - self.last_used)) if not self.agents else None
+        left = self.idle - (time.monotonic() - self.last_used)
+        timeout = max(0.0, min(left, CHECK_SECONDS)) if not self.agents else None
         readable, _, _ = select.select(watched, [], [], timeout)
         if self.wake_r in readable:
             with contextlib.suppress(BlockingIOError):
@@ -132,6 +160,21 @@ class Server:
         self._reap()
         if self.listener in readable and not self.closing:
             self._accept()
+
+    def _done(self) -> bool:
+        """Idle (no agent running): whether to end now. After IDLE seconds; when no caller can
+        reach this template any more (its socket removed, with the home it was in); or when it
+        has been idle SHARED_GRACE_SECONDS and KEPT_IDLE other templates of the user were used
+        since (``_used_since``): each costs about half a GB of memory of its own."""
+        idle = time.monotonic() - self.last_used
+        if idle > self.idle:
+            return True
+        try:
+            if os.stat(self.path).st_ino != self.socket_inode:
+                return True
+        except OSError:
+            return True
+        return idle > SHARED_GRACE_SECONDS and _used_since(self.used_at, os.getpid()) >= KEPT_IDLE
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
@@ -166,7 +209,7 @@ class Server:
                 os.close(fd)
         self.agents[agent] = conn
         self.served[request["kind"]] += 1
-        self.last_used = time.monotonic()
+        self.last_used, self.used_at = time.monotonic(), time.time()
         self._describe()
         with contextlib.suppress(OSError):
             wire.send(conn, {"pid": agent})
@@ -221,7 +264,7 @@ class Server:
                 with contextlib.suppress(OSError):
                     wire.send(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 conn.close()
-            self.last_used = time.monotonic()
+            self.last_used, self.used_at = time.monotonic(), time.time()
             if not self.closing:
                 self._describe()
 
@@ -239,6 +282,45 @@ class Server:
         with contextlib.suppress(OSError, ValueError):
             if json.loads(self.info.read_text()).get("pid") == os.getpid():
                 self.info.unlink()
+
+
+# -- the user's other templates -------------------------------------------------------------
+
+def _used_since(when: float, own: int) -> int:
+    """How many other templates of this user (any home, any installation) were used after
+    ``when``, or are running a process they forked now."""
+    return sum(1 for other in _others(own)
+               if other.get("running") or other.get("used_at", other.get("started", 0)) > when)
+
+
+def _others(own: int) -> list[dict]:
+    """What every other template of this user wrote about itself: its processes are found in
+    /proc (their command line names this module), their descriptions in the folder each one
+    works in (a template's working folder is its home's ``template/``)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != own:
+            description = _description(int(entry.name))
+            if description is not None:
+                found.append(description)
+    return found
+
+
+def _description(pid: int) -> dict | None:
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return None
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if MODULE.encode() not in f.read():
+                return None
+        folder = Path(os.readlink(f"/proc/{pid}/cwd"))
+        for info in folder.glob("*.json"):
+            description = json.loads(info.read_text())
+            if description.get("pid") == pid:  # a template, not a fork of one that kept its title
+                return description
+    except (OSError, ValueError):  # gone meanwhile, or its home deleted: not counted
+        pass
+    return None
 
 
 def _become(request: dict, streams: list[int], sockets: list[socket.socket]) -> None:

@@ -45,7 +45,8 @@ AGENT_STOP_S = 10.0  # an agent stopped by the watch that has not ended by then 
 SAY_WAITING_AFTER_S = 10.0
 JOIN_GRACE_S = 10.0  # a round that started without this machine: it asks to join after this
 HANG_ANSWER_S = 20.0  # for the other machines' stacks after a hang (each takes a few seconds)
-ECHO_WAIT_S = 2.0  # a machine whose ranks only saw a communication error lets the others speak
+ECHO_WAIT_S = 5.0  # a machine whose ranks only saw a communication error lets the others speak
+# (2 s was too short on 2 loaded cores: the failing machine had not spoken yet)
 TRACEBACK_CHARS = 4000  # of a root cause's traceback, shared with the other machines
 
 

@@ -40,7 +40,7 @@ from gpufleet.launchers._ray_job import Growth, RankActor, RayJob
 from gpufleet.launchers._ray_node import NODE_DEFAULTS
 from gpufleet.launchers.base import Gate, Launcher
 from gpufleet.launchers.hardware import CPU_DEFAULT_PROCESSES, Placement
-from gpufleet.options import RunOptions, spell, spell_seconds
+from gpufleet.options import RunOptions, dropped, named, spell, spell_seconds
 from gpufleet.payload import write_private
 from gpufleet.rundir import Attempt, RunDir
 
@@ -176,8 +176,8 @@ def connect(address: str | None):
         import ray
     except ImportError as exc:
         raise ConfigError(
-            f"remote=True runs on Ray, which is not installed here ({exc}); "
-            "pip install 'gpufleet[ray]', or pass remote=False to run on this machine"
+            f"{spell('remote', True)} runs on Ray, which is not installed here ({exc}); "
+            f"pip install 'gpufleet[ray]', or {dropped('remote')} to run on this machine"
         ) from exc
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
@@ -186,9 +186,9 @@ def connect(address: str | None):
         # counts as the same
         if address not in (None, "auto", current, _connected_with):
             raise ConfigError(
-                f"ray_address={address!r}, but this process is already connected to the Ray "
-                f"cluster at {current} and a process holds one connection; pass "
-                f"ray_address={current!r} (or None), or call ray.shutdown() first"
+                f"{spell('ray_address', address)}, but this process is already connected to the "
+                f"Ray cluster at {current} and a process holds one connection; pass "
+                f"{spell('ray_address', current)} (or none), or call ray.shutdown() first"
             )
         return ray
     wanted = address or _environ.ray_address()
@@ -202,8 +202,8 @@ def connect(address: str | None):
     except (ConnectionError, ValueError, RuntimeError) as exc:
         where = f"connect to the Ray cluster at {wanted!r}" if wanted else "start a local Ray instance"
         raise ConfigError(
-            f"cannot {where}: {exc}; check ray_address= or RAY_ADDRESS (`ray status` on the "
-            "head node prints the address)"
+            f"cannot {where}: {exc}; check {named('ray_address')} or RAY_ADDRESS (`ray status` "
+            "on the head node prints the address)"
         ) from exc
     return ray
 
@@ -303,8 +303,8 @@ def dashboard_nodes(url: str) -> list[dict]:
         from ray.util.state import list_nodes
     except ImportError as exc:
         raise ConfigError(
-            f"ray_address={url!r} is a Ray Jobs address, and Ray is not installed here ({exc}); "
-            "pip install 'gpufleet[ray]'"
+            f"{spell('ray_address', url)} is a Ray Jobs address, and Ray is not installed here "
+            f"({exc}); pip install 'gpufleet[ray]'"
         ) from exc
     try:
         found = list_nodes(address=url, filters=[("state", "=", "ALIVE")], limit=10_000,
@@ -312,7 +312,7 @@ def dashboard_nodes(url: str) -> list[dict]:
     except Exception as exc:  # Ray raises its own kinds for an unreachable or older dashboard
         raise ConfigError(
             f"cannot reach the Ray dashboard at {url}: {type(exc).__name__}: {exc}; check "
-            "ray_address= or RAY_ADDRESS (the head's dashboard, started with "
+            f"{named('ray_address')} or RAY_ADDRESS (the head's dashboard, started with "
             "`ray start --head --dashboard-host=0.0.0.0`, port 8265 by default)"
         ) from exc
     return [{"Alive": True, "Resources": dict(n.resources_total or {}), "NodeManagerAddress": n.node_ip,
@@ -370,12 +370,13 @@ def check_fits(
     if placement == "strict_pack" and max(capacities.values(), default=0) < nprocs:
         raise ConfigError(
             f"{spell('gpus', nprocs)} with {spell('placement', 'strict_pack')} needs one node with {nprocs} {unit}s; "
-            f"{where} has none that large. Use placement='pack' to span nodes, or fewer gpus"
+            f"{where} has none that large. Use {spell('placement', 'pack')} to span nodes, or fewer "
+            f"{spell('gpus')}"
         )
     if placement == "strict_spread" and sum(n > 0 for n in capacities.values()) < nprocs:
         raise ConfigError(
             f"{spell('gpus', nprocs)} with {spell('placement', 'strict_spread')} needs {nprocs} nodes with a {unit} "
-            f"each; {where} has fewer. Use placement='spread', or fewer gpus"
+            f"each; {where} has fewer. Use {spell('placement', 'spread')}, or fewer {spell('gpus')}"
         )
     if total < nprocs:
         raise ConfigError(
@@ -700,8 +701,9 @@ def _gather(ray, refs: list, launch_plan: RayPlan, run: RunDir, deadline: float 
         return ray.get(refs)
     except ray.exceptions.RuntimeEnvSetupError as exc:
         raise ConfigError(
-            f"Ray could not set up the ranks' runtime_env on the cluster: {exc}. Check pip= "
-            "and runtime_env= (the nodes' logs: /tmp/ray/session_latest/logs/runtime_env_*)"
+            f"Ray could not set up the ranks' runtime_env on the cluster: {exc}. Check "
+            f"{named('pip')} and {named('runtime_env')} (the nodes' logs: "
+            "/tmp/ray/session_latest/logs/runtime_env_*)"
         ) from exc
     except ray.exceptions.RayError as exc:  # an actor lost with its node, or a failed start
         raise RunFailedError(

@@ -5,10 +5,13 @@ imported torch already, rather than as a fresh interpreter.
 
 One template per user and per *kind of start* (``key``): the interpreter, the variables read
 while torch is imported, the resource limits a process cannot raise, the cgroup and the
-namespaces. It lives in ``$GPUFLEET_HOME/template/`` (0700), starts on first use, serves
-every later call of the user (the command line, the API, submitted runs, warm pools' starts)
-and ends after ``GPUFLEET_TEMPLATE_IDLE`` seconds without one (default 15 minutes). When the
-installed torch or gpufleet changes (``fingerprint``), the next call replaces it.
+namespaces. It lives in ``$GPUFLEET_HOME/template/`` (0700; ``GPUFLEET_TEMPLATE_DIR`` names
+another folder, which homes can share), starts on first use as no
+process's child (init adopts it), serves every later call of the user (the command line, the
+API, submitted runs, warm pools' starts) and ends after ``GPUFLEET_TEMPLATE_IDLE`` seconds
+without one (default 15 minutes), or sooner when two other templates of the user were used
+since (``_template_server.KEPT_IDLE``). When the installed torch or gpufleet changes
+(``fingerprint``), the next call replaces it.
 ``GPUFLEET_TEMPLATE=0`` turns it off. ``_template_server.py`` is the other side; docs/design.md
 ("Cold start") has the reasons.
 """
@@ -57,8 +60,8 @@ _lock = threading.Lock()  # one start of a template at a time in this process
 
 
 def folder() -> Path:
-    path = _environ.gpufleet_home() / "template"
-    ensure_private_dir(path, closed=True)  # and $GPUFLEET_HOME above it, 0700 when made here
+    path = _environ.template_dir()
+    ensure_private_dir(path, closed=True)  # and the folder above it (a home), 0700 when made here
     return path
 
 
@@ -179,14 +182,22 @@ class Forked:
 
 
 def running() -> list[dict]:
-    """The user's templates that run: what each wrote about itself, and its pid's state."""
+    """The user's templates that run: what each wrote about itself, and the memory that is its
+    alone (``uss_bytes``: what ending it would free; None where it cannot be read)."""
     found = []
     for info in sorted(folder().glob("*.json")):
         with contextlib.suppress(OSError, ValueError):
             entry = json.loads(info.read_text())
             if _is_template(entry.get("pid")):
-                found.append(entry)
+                found.append({**entry, "uss_bytes": _unique_memory(entry["pid"])})
     return found
+
+
+def _unique_memory(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).memory_full_info().uss
+    except psutil.Error:  # ended meanwhile, or /proc/PID/smaps closed to us
+        return None
 
 
 def stop() -> list[int]:
@@ -259,18 +270,17 @@ def _connect(key: str, fingerprint: str, env: dict[str, str]) -> socket.socket:
             conn = _try_connect(path)
             if conn is not None:
                 return conn
-            server = _start_template(home, key, fingerprint, env)
-            deadline = time.monotonic() + START_TIMEOUT_SECONDS
-            while time.monotonic() < deadline:
-                conn = _try_connect(path)
-                if conn is not None:
-                    return conn
-                if server.poll() is not None:
-                    log_file = home / f"{key}.log"
-                    raise TemplateUnavailable(f"the kept template exited with {server.returncode} as it "
-                                              f"started ({_last_line(log_file)}); see {log_file}")
-                time.sleep(0.01)
-            server.kill()
+            with _start_template(home, key, fingerprint, env) as server:
+                deadline = time.monotonic() + START_TIMEOUT_SECONDS
+                while time.monotonic() < deadline:
+                    conn = _try_connect(path)
+                    if conn is not None:
+                        return conn
+                    if server.ended():
+                        raise TemplateUnavailable(f"the kept template {server.how_it_ended()} as it started "
+                                                  f"({_last_line(server.log)}); see {server.log}")
+                    time.sleep(0.01)
+                server.kill()
             raise TemplateUnavailable(f"the kept template did not start within {START_TIMEOUT_SECONDS:.0f} s")
     finally:
         os.close(handle)
@@ -299,27 +309,78 @@ def _try_connect(path: Path) -> socket.socket | None:
     return conn
 
 
-def _start_template(home: Path, key: str, fingerprint: str, env: dict[str, str]) -> subprocess.Popen:
-    """The template, in a session of its own (it outlives this process); its environment is the
-    call's without what each run sets for itself."""
+def _start_template(home: Path, key: str, fingerprint: str, env: dict[str, str]) -> "_Started":
+    """The template, in a session of its own and no child of this process (it outlives it):
+    the process started here forks the template, says its pid and exits at once
+    (``_template_server._leave_the_caller``). Its environment is the call's without what each
+    run sets for itself."""
     own = {name: value for name, value in env.items()
            if not name.startswith(("GPUFLEET_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHELASTIC_"))}
     own["PYTHONUNBUFFERED"] = "1"
     idle = str(_environ.template_idle_seconds())
-    log_fd = os.open(home / f"{key}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log = home / f"{key}.log"
+    told, tell = os.pipe()
     try:
-        server = subprocess.Popen(
-            # the last argument is room for the command lines its forks show (_process.retitle)
-            [sys.executable, "-m", "gpufleet.launchers._template_server", str(home), key, fingerprint, idle,
-             "-" * TITLE_ROOM],
-            env=own, cwd=home, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            first = subprocess.Popen(
+                # the last argument is room for the command lines its forks show (_process.retitle)
+                [sys.executable, "-m", "gpufleet.launchers._template_server", str(home), key, fingerprint, idle,
+                 str(tell), "-" * TITLE_ROOM],
+                env=own, cwd=home, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
+                start_new_session=True, pass_fds=(tell,),
+            )
+        finally:
+            os.close(log_fd)
+            os.close(tell)  # before the read: its end of file is the first process's exit
+        try:
+            code = first.wait(START_TIMEOUT_SECONDS)  # it exits once it has forked (well under a second)
+        except subprocess.TimeoutExpired:
+            first.kill()
+            code = first.wait()
+        said = os.read(told, 32)
     finally:
-        os.close(log_fd)
-    # it may end long before this process (idle): reaped then, not left a zombie
-    threading.Thread(target=server.wait, name="gpufleet-template-reaper", daemon=True).start()
-    return server
+        os.close(told)
+    if code != 0 or not said.isdigit():
+        return _Started(log, code=code or 1)
+    return _Started(log, pid=int(said))
+
+
+class _Started:
+    """A template that was started here, until its socket serves: whether it ended meanwhile
+    (watched through a pidfd: it is no child of ours), and how."""
+
+    def __init__(self, log: Path, code: int | None = None, pid: int | None = None):
+        self.log = log
+        self.code = code  # the first process's exit status, when it failed
+        self.pid = pid
+        self._pidfd: int | None = None
+
+    def __enter__(self) -> "_Started":
+        if self.pid is not None:
+            with contextlib.suppress(OSError):  # gone already: ended() says so
+                self._pidfd = os.pidfd_open(self.pid)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def ended(self) -> bool:
+        if self.code is not None:
+            return True
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        return self.pid is None or not psutil.pid_exists(self.pid)
+
+    def how_it_ended(self) -> str:
+        return f"exited with {self.code}" if self.code is not None else "ended"
+
+    def kill(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
 
 def _ask(conn: socket.socket, request: dict, streams: list[int]) -> tuple[Forked | None, str]:

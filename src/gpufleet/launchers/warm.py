@@ -78,8 +78,9 @@ class Pool:
     ):
         if not isinstance(keep_memory, bool):
             raise ConfigError(f"keep_memory={keep_memory!r} must be True or False")
+        where = {"runs_dir": runs_dir} if runs_dir is not None else {}  # None: the config file's
         self._options = RunOptions.create(
-            gpus=gpus, gpu_type=gpu_type, runs_dir=runs_dir, timeout=start_timeout, hang_timeout=None
+            gpus=gpus, gpu_type=gpu_type, **where, timeout=start_timeout, hang_timeout=None
         )
         self._keep_memory = keep_memory
         self._lock = threading.RLock()  # one call at a time

@@ -15,9 +15,18 @@ class ScriptExitError(Exception):
     """The script or command ended with a non-zero exit status."""
 
 
+class ScriptEnded(SystemExit):
+    """The script or module ended with status 0 (its end, or ``sys.exit(0)``): the rank
+    leaves as its process would (``rank/worker.py`` keeps when, for the caller's diagnosis)."""
+
+    def __init__(self, summary: str):
+        super().__init__(0)
+        self.summary = summary
+
+
 def run_script(path: str, args: list[str]) -> None:
     """``python path args...`` in this rank: ``sys.argv`` and ``sys.path[0]`` as Python sets
-    them; ``sys.exit(0)`` is success, any other status a failure."""
+    them; its end or ``sys.exit(0)`` is success (``ScriptEnded``), any other status a failure."""
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     _as_main(lambda: runpy.run_path(path, run_name="__main__"))
@@ -45,3 +54,4 @@ def _as_main(run) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise ScriptExitError(f"{sys.argv[0]} exited with status {exc.code}") from None
+    raise ScriptEnded(f"{sys.argv[0]} ended with exit status 0")

@@ -1,7 +1,9 @@
 """The entry of every rank: ``main(RUN_DIR)``, forked from the agent's template process.
 
-It runs the pickled call once and leaves exactly one result file behind: ``("ok", value)`` or
-``("error", RankFailure)``. A warm rank (``gpufleet.pool``) does the same for each call handed
+It runs the pickled call once and leaves exactly one result file behind: ``("ok", value)``,
+``("error", RankFailure)``, or ``("left", RankFailure)`` for a call that ended through
+``sys.exit(0)`` (or a script's end): a success unless a peer failed on its absence
+(``watch/outcome.py``). A warm rank (``gpufleet.pool``) does the same for each call handed
 to it. See docs/design.md for why it ends with ``os._exit``.
 """
 
@@ -28,6 +30,7 @@ from gpufleet import _environ, _process, _stacks, payload, runtime, steps, telem
 from gpufleet._log import log
 from gpufleet.errors import RankFailure
 from gpufleet.rank import warm
+from gpufleet.rank.script import ScriptEnded
 from gpufleet.rundir import RunDir, check_private_dir
 
 EXIT_GRACE_SECONDS = 30
@@ -115,6 +118,8 @@ def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
     except Exception as exc:  # the return value does not pickle: report that instead
         outcome = ("error", _result_failure(rank, outcome[1], exc))
         data = payload.dump_result(outcome)
+    if outcome[0] == "ok" and (note := payload.large_result_note(outcome[1], len(data))):
+        log.warning(note)  # weights sent back by accident, most likely
     timings.write_rank(run.timings(rank))
     tracking.flush_progress()  # the status line's last step is the function's last one
     if before_result is not None:
@@ -124,7 +129,7 @@ def _call(run: RunDir, rank: int, body=None, before_result=None) -> bool:
     except OSError as exc:  # a full disk, say: the result is lost, and the caller must hear why
         _report_unwritten_result(run, rank, len(data), exc)
         return False
-    return outcome[0] == "ok"
+    return outcome[0] in ("ok", "left")
 
 
 def _report_unwritten_result(run: RunDir, rank: int, size: int, exc: OSError) -> None:
@@ -218,13 +223,28 @@ def _run(run: RunDir, rank: int, body) -> tuple:
         runtime._finish_saves()
         return ("ok", value)
     except SystemExit as exc:
-        if exc.code in (None, 0):
-            return ("ok", None)
-        return ("error", _failure(rank, exc, kind="exit", summary=f"sys.exit({exc.code!r})"))
+        return _left(rank, exc)
     except BaseException as exc:
         failure = _failure(rank, exc)
         print(failure.traceback, file=sys.stderr, end="", flush=True)  # the rank's log too
         return ("error", failure)
+
+
+def _left(rank: int, exc: SystemExit) -> tuple:
+    """The call ended through ``sys.exit`` (or a script ended): no value. A status other than 0
+    fails the rank. Status 0 is a success, unless another rank then fails with a communication
+    error: the caller names this rank as the cause (it left the collectives the others were in,
+    and their errors only say that a peer closed the connection), so the time it left is kept."""
+    if isinstance(exc, ScriptEnded):
+        summary, code = exc.summary, 0
+    else:
+        summary = f"sys.exit({exc.code!r}) inside the function"
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+    failure = _failure(rank, exc, kind="left", summary=summary)
+    failure.exitcode = code
+    if isinstance(exc, ScriptEnded):
+        failure.traceback = ""  # the script reached its end: no frame of it to show
+    return ("left" if code == 0 else "error", failure)
 
 
 def _payload_call(run: RunDir):

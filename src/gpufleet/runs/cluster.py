@@ -17,6 +17,7 @@ import asyncio
 import atexit
 import base64
 import contextlib
+import io
 import json
 import logging
 import os
@@ -25,12 +26,14 @@ import socket
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from gpufleet import _environ, tracking
 from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError
+from gpufleet.options import spell
 from gpufleet.payload import load_private, write_private
 from gpufleet.rundir import RunDir
 from gpufleet.runs import records
@@ -44,7 +47,10 @@ JOB_PREFIX = "gpufleet-"  # a run's Ray job is gpufleet-<run id>
 RECORD_EVENT = "gpufleet-record: "  # the run's record.json, each time it changes
 OUTCOME_EVENT = "gpufleet-outcome: "  # at the end: STATUS values|error BASE64 (cloudpickle)
 # What the job's own package holds, beside an empty __init__.py
-CALL_FILE, SECRETS_FILE, ORIGIN_FILE = "call.pkl", "secrets.json", "origin.json"
+CALL_FILE, ORIGIN_FILE = "call.pkl", "origin.json"
+# The call's secrets travel apart from it (``_send_secrets``): a package of their own, uploaded
+# under an unguessable name that no runtime_env names, and deleted by the job as it reads it
+SECRETS_FILE, SECRETS_PREFIX = "secrets.json", "gcs://gpufleet_secrets_"
 CANCEL_WAIT_S = 60  # stop_job: the ranks stop (Ray's SIGKILL after 30 s), the record ends
 POLL_SECONDS = 0.5
 AGENT_WAIT_S = 60.0  # for the job agent of a head that has just started
@@ -79,16 +85,18 @@ def submit(call, address: str, argv: list[str] | None = None) -> ClusterRun:
     from gpufleet.launchers.ray import job_runtime_env
 
     client = _client(address)
+    secrets_uri = f"{SECRETS_PREFIX}{secrets.token_hex(16)}.zip"
     record = call.record(detached=call.options.detach, background=True, argv=argv,
                          cluster={"address": address, "job": None},
                          supervisor={"host": f"ray job at {address}", "pid": 0, "start": 0})
     job = JOB_PREFIX + record.id
     try:
         with tempfile.TemporaryDirectory(prefix="gpufleet-job-") as scratch, _quiet_sdk():
-            package = _package(Path(scratch), call, record, address, job, argv)
+            package = _package(Path(scratch), call, record, address, job, argv, secrets_uri)
             runtime_env, notes = job_runtime_env(call.options, Path.cwd(), package)
             for note in notes:
                 log.info(note)
+            _send_secrets(client, secrets_uri, call.options)
             _submit_job(
                 client, entrypoint=f"python -m gpufleet.runs.cluster_job {package.name}",
                 submission_id=job, runtime_env=runtime_env, entrypoint_num_cpus=0,
@@ -127,9 +135,9 @@ def _submit_job(client, **job) -> None:
 
 
 def _package(scratch: Path, call, record: Record, address: str, job: str,
-             argv: list[str] | None) -> Path:
-    """The job's own package (shipped in its py_modules): the call without its secrets, the
-    secrets (read into memory and deleted on the head), and where the call came from."""
+             argv: list[str] | None, secrets_uri: str) -> Path:
+    """The job's own package (shipped in its py_modules): the call without its secrets, and
+    where the call came from, with the name its secrets are uploaded under."""
     import cloudpickle
 
     from gpufleet.launchers.ray import origin
@@ -143,12 +151,34 @@ def _package(scratch: Path, call, record: Record, address: str, job: str,
         write_private(package / CALL_FILE, cloudpickle.dumps(call))
     finally:
         call.options = options
-    supervisor = _supervisor_variables()
-    write_private(package / SECRETS_FILE, json.dumps({**options.secrets(), "supervisor": supervisor}).encode())
     write_private(package / ORIGIN_FILE, json.dumps({
-        "run_id": record.id, "address": address, "job": job, "argv": argv, **origin(),
+        "run_id": record.id, "address": address, "job": job, "argv": argv, "secrets": secrets_uri,
+        **origin(),
     }).encode())
     return package
+
+
+def _send_secrets(client, uri: str, options) -> None:
+    """Upload the call's secrets (``env=``, ``env_vars``, the MLflow settings) to the cluster
+    under ``uri``, for the job's supervisor to take (``cluster_job.py``). Ray keeps every
+    package of a job's runtime_env in its key-value store, where any driver can read it, and
+    unpacks it on every node that runs the job's actors: the secrets are in none of those.
+    This upload is named by no runtime_env, so no node unpacks it, and the supervisor deletes
+    it as it reads it. Asking for it first, as Ray's own client does, pins it for a while
+    (RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S on the head, 10 minutes by default),
+    after which Ray deletes it too: a job that never starts leaves nothing either. Ray's
+    client has no public call for it: these are the ones its own uploads go through."""
+    from ray.dashboard.modules.job.common import uri_to_http_components
+
+    content = {**options.secrets(), "supervisor": _supervisor_variables()}
+    data = io.BytesIO()  # in memory: never on this machine's disk either
+    with zipfile.ZipFile(data, "w") as package:
+        package.writestr(SECRETS_FILE, json.dumps(content))
+    protocol, name = uri_to_http_components(uri)
+    client._package_exists(uri)
+    response = client._do_request("PUT", f"/api/packages/{protocol}/{name}", data=data.getvalue())
+    if response.status_code != 200:
+        client._raise_error(response)
 
 
 def _supervisor_variables() -> dict[str, str]:
@@ -189,15 +219,15 @@ def _client(address: str):
         from ray.job_submission import JobSubmissionClient
     except ImportError as exc:
         raise ConfigError(
-            f"ray_address={address!r} is a Ray Jobs address, and Ray is not installed here "
-            f"({exc}); pip install 'gpufleet[ray]'"
+            f"{spell('ray_address', address)} is a Ray Jobs address, and Ray is not installed "
+            f"here ({exc}); pip install 'gpufleet[ray]'"
         ) from exc
     try:
         client = JobSubmissionClient(address)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(
             f"cannot reach Ray Jobs at {address}: {exc}; give the head's dashboard address "
-            "(ray_address='http://HEAD:8265', --ray-address or RAY_ADDRESS)"
+            f"({spell('ray_address', 'http://HEAD:8265')}, or RAY_ADDRESS)"
         ) from exc
     theirs = getattr(client, "_server_ray_version", None) or ray.__version__
     if theirs.split(".")[:2] != ray.__version__.split(".")[:2]:
@@ -285,7 +315,12 @@ class ClusterRun(Run):
             return load_private(values)
         return super().result(0)
 
-    def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None) -> str | None:
+    def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None,
+             logs: Any = None) -> str | None:
+        if logs is not None:  # the job's log holds what the run's own logs option showed
+            raise ConfigError("logs= cannot choose the ranks of a run supervised on a Ray cluster: "
+                              "its job's log holds the ranks its logs option showed; give rank=N "
+                              "for one rank's lines")
         self._ranks(rank)
         if follow:
             self._tail(rank, out or sys.stdout)

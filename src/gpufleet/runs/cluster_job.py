@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import io
 import json
 import os
 import signal
 import sys
 import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from gpufleet import _environ, telemetry, tracking
 from gpufleet._log import log
 from gpufleet.errors import GpufleetError, RunCancelledError
 from gpufleet.launchers import place
-from gpufleet.launchers.ray import check_submitter
+from gpufleet.launchers.ray import check_submitter, connect
 from gpufleet.options import speaking
 from gpufleet.runs import execution, records
 from gpufleet.runs.cluster import CALL_FILE, ORIGIN_FILE, OUTCOME_EVENT, RECORD_EVENT, SECRETS_FILE
@@ -48,7 +50,7 @@ def main(argv: list[str]) -> int:
     origin = json.loads((package / ORIGIN_FILE).read_text())
     try:
         check_submitter(origin["python"], origin["torch"])
-        call, secrets = _load(package)
+        call, secrets = _load(package, origin)
     except BaseException as exc:  # nothing started: the submitter reads why
         _outcome({"error": exc}, str(records.FAILED))
         return 2
@@ -90,18 +92,36 @@ def _package(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _load(package: Path):
+def _load(package: Path, origin: dict):
     import cloudpickle
 
-    secrets_file = package / SECRETS_FILE
-    secrets: dict = {"env": {}, "env_vars": {}, "supervisor": {}}
-    if secrets_file.exists():  # read into memory, then gone from the node's disk
-        secrets.update(json.loads(secrets_file.read_text()))
-        secrets_file.unlink()
+    secrets = _take_secrets(origin["secrets"])
     os.environ.update(secrets.pop("supervisor"))  # the submitter's MLflow settings and store
     _store_of_this_node()
     call = cloudpickle.loads((package / CALL_FILE).read_bytes())
     return call, secrets
+
+
+def _take_secrets(uri: str) -> dict:
+    """The call's secrets, which the submitter uploaded apart from the job's package
+    (``cluster._send_secrets``): read from the cluster's key-value store into memory and
+    deleted there at once, so that nothing on the cluster holds them any more."""
+    from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
+
+    connect(None)  # this job's cluster (RAY_ADDRESS), which the run is placed on next
+    data = _internal_kv_get(uri)
+    _internal_kv_del(uri)
+    if data is None:
+        raise GpufleetError(
+            "the run's env= values and MLflow settings were gone from the Ray cluster when its "
+            "supervisor started: Ray deletes an upload that no job holds after "
+            "RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S (600 s by default, read by the "
+            "head's dashboard), and the job took longer to start (its runtime_env: pip packages "
+            "to install?); submit it again, with that variable larger on the head or the "
+            "packages in the cluster's image"
+        )
+    with zipfile.ZipFile(io.BytesIO(data)) as package:
+        return {"env": {}, "env_vars": {}, "supervisor": {}, **json.loads(package.read(SECRETS_FILE))}
 
 
 def _store_of_this_node() -> None:

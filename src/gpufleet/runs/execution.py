@@ -21,7 +21,7 @@ from gpufleet.errors import RunCancelledError, RunFailedError, RunPreemptedError
 from gpufleet.launchers import devices, template, warm
 from gpufleet.launchers.base import Launcher
 from gpufleet.launchers.hardware import Placement
-from gpufleet.options import RunOptions, Surface, check_world, surface_in_use
+from gpufleet.options import RunOptions, Surface, check_world, logs_to_record, surface_in_use
 from gpufleet.payload import dump_call, free_space_note, write_private
 from gpufleet.runs.records import Record
 from gpufleet.tracking import PendingTracking, callers_run
@@ -54,6 +54,7 @@ class Call:
         _environ.tracking_allowed()  # a bad GPUFLEET_TRACKING fails here, before a record exists
         if _environ.template_allowed():  # and a bad GPUFLEET_TEMPLATE or GPUFLEET_TEMPLATE_IDLE
             _environ.template_idle_seconds()
+        _environ.peak_flops(options.env)  # and a bad GPUFLEET_PEAK_FLOPS, here or in env=
         if launchers.nodes_wanted(options) and options.rdzv_id is None:  # the same on every machine
             from gpufleet.launchers import nodes
 
@@ -75,7 +76,9 @@ class Call:
             self.options.runs_dir, self.name, function=self.function, kind=self.kind,
             gpus=self.placement.nprocs, device=self.placement.device,
             remote=self.options.remote or None,
-            straggler_threshold=self.options.straggler_threshold, **fields,
+            straggler_threshold=self.options.straggler_threshold,
+            logs=logs_to_record(self.options.logs),  # what following the run shows (Run.logs)
+            **fields,
         )
 
 

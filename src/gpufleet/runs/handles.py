@@ -19,12 +19,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from gpufleet import _environ, _process
 from gpufleet._log import log
 from gpufleet.errors import ConfigError, GpufleetError
 from gpufleet.launchers import devices
+from gpufleet.options import check_logs, logs_of_record
+from gpufleet.options import shows as shows_live
 from gpufleet.payload import load_private, write_private
 from gpufleet.runs import records
 from gpufleet.runs.records import Record
@@ -100,15 +102,19 @@ class Run:
             f"ended without writing one (its log: {self._record.supervisor_log})"
         )
 
-    def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None) -> str | None:
+    def logs(self, rank: int | None = None, follow: bool = False, out: TextIO | None = None,
+             logs: Any = None) -> str | None:
         """The last attempt's output: every rank's lines prefixed ``[rank N]``, or one rank's
         own text. With ``out`` they are written there as they are read (in memory a line at
         a time, whatever the size of the logs) and None is returned. ``follow=True`` prints
-        them as they come until the run ends (to ``out``, default stdout) and returns None;
-        Ctrl-C stops following (KeyboardInterrupt), not the run."""
+        them as they come until the run ends (to ``out``, default stdout) and returns None:
+        the ranks the run's ``logs`` option shows live (all of them, rank 0, none, or those
+        listed), or those ``logs`` gives here, or ``rank`` alone; Ctrl-C stops following
+        (KeyboardInterrupt), not the run."""
         world = self._ranks(rank)
         if follow:
-            self._follow(rank, world, out or sys.stdout)
+            shown = logs_of_record(self.record().get("logs")) if logs is None else check_logs(logs)
+            self._follow(rank, world, out or sys.stdout, shown)
             return None
         text = io.StringIO()
         attempt = self._record.last_attempt()
@@ -157,9 +163,9 @@ class Run:
             raise ConfigError(f"rank={rank} is not a rank of run {self.id}: it has ranks 0 to {world - 1}")
         return world
 
-    def _follow(self, rank: int | None, world: int, out: TextIO) -> None:
+    def _follow(self, rank: int | None, world: int, out: TextIO, live: Any) -> None:
         def shows(r: int) -> bool:
-            return rank is None or r == rank
+            return r == rank if rank is not None else shows_live(live, r)
 
         attempt = follower = None
         try:  # Ctrl-C stops following (KeyboardInterrupt), not the run

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from gpufleet.errors import ConfigError
+from gpufleet.memory import check
 from gpufleet.strategies._base import Prepared, StrategyOptions, check_common
 from gpufleet.strategies.ddp import DDP
 from gpufleet.strategies.deepspeed import ZeRO
@@ -80,6 +81,7 @@ def prepare(
     grad_accum: int = 1,
     clip_grad_norm: float | None = None,
     precision: str | None = None,
+    memory_check: str | None = None,
     **options: Any,
 ) -> Prepared:
     """Wrap ``model`` for ``strategy`` and build its optimizer; return a ``Prepared``.
@@ -91,8 +93,15 @@ def prepare(
     the last one. ``precision`` is ``"bf16"`` (the default on GPU) or ``"fp32"`` (the default
     on CPU). Other keyword options belong to the strategy (see ``DDP``, ``FSDP``, ``ZeRO``).
 
+    ``memory_check``: at the first training forward pass, each rank compares the memory
+    estimate of its step (``gpufleet.memory``) with what its GPU has free: ``"warn"`` says so
+    in the rank's log when it does not fit (naming the largest micro-batch that does),
+    ``"error"`` raises ``gpufleet.memory.MemoryCheckError`` instead, ``"off"`` skips it
+    (default: ``GPUFLEET_MEMORY_CHECK``, else ``"warn"``).
+
     Calls ``runtime.setup()`` first if the process group is not initialised yet.
     """
+    memory_check = check.check_option(memory_check)
     spec = resolve(strategy, **options)
     common = check_common(
         optimizer=optimizer,
@@ -101,5 +110,7 @@ def prepare(
         clip_grad_norm=clip_grad_norm,
         precision=precision,
     )
-    return spec.prepare(model, common)
+    prepared = spec.prepare(model, common)
+    check.watch(prepared.model, check.of_prepared(prepared), memory_check)
+    return prepared
 

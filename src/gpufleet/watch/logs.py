@@ -8,7 +8,10 @@ end) counts as what a terminal would show of it: the text after its last ``\r``.
 With ``collapse`` (the ``collapse_lines`` option) a finished line that several shown ranks
 print alike at about the same time is shown once, with its ranks: ``[ranks 0-7] loading``,
 ``[ranks 0,2-3,6] x``; a line of one rank stays ``[rank 3] x``. Empty lines collapse too.
-Finished lines are held in a queue per rank, and shown only from the queues' fronts, so no
+A traceback (Python's, from its ``Traceback (most recent call last):`` to its exception line,
+or a stack dump's ``... (most recent call first):`` and its frames) collapses only whole:
+ranks whose tracebacks differ anywhere show theirs apart, first line included, so that no
+shown line stands for lines that were not the same. Finished lines are held in a queue per rank, and shown only from the queues' fronts, so no
 rank's lines are ever reordered: a line at the front of every shown rank's queue is shown at
 once, for all of them; otherwise the line that has waited longest is shown once
 COLLAPSE_WINDOW_S has passed since it was read, for the ranks that have it at their front.
@@ -18,6 +21,10 @@ apart instead). A final poll, and ``close``, show every held line; HELD_BYTES bo
 is held. Unfinished (live) lines are not held, and with one shown rank nothing is. The
 per-rank logs keep every line: this is only what is shown (``gpufleet logs --follow``
 collapses too, as a call's caller does by default).
+
+With ``pace`` (a call's display, with the ``collapse_lines`` option; ``gpufleet logs --follow``
+shows every line) a rank's lines that differ only in their numbers, a loop's ``step 120 loss
+0.113``, are shown at a bounded rate, each with how many like it were left out (``pacing.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from gpufleet.rundir import Ranks, rank_list
+from gpufleet.watch.pacing import Pacer
 from gpufleet.watch.progress import PlainDisplay
 
 TAIL_LINES = 15
@@ -57,6 +65,13 @@ _MACHINERY_FRAME = re.compile(
     r'^\s+File "(<string>|[^"]*(/gpufleet/|/multiprocessing/|/torch/distributed/elastic/)[^"]*)", line \d+ in '
 )
 _EXTENSION_MODULES = "Extension modules: "
+# The first line of a traceback, which collapses only with the rest of it (``_Units``): Python's
+# (its exception line, the first unindented one after its frames, ends it) and a stack dump's
+# (faulthandler, an exception group's; the first unindented line is no longer part of it).
+_TRACEBACK = re.compile(r"^(Exception Group )?Traceback \(most recent call last\):$")
+_STACK = re.compile(r"^(.*\(most recent call first\)|\s*\+ Exception Group Traceback \(most recent call last\)):$")
+# A traceback longer than this (a runaway recursion's) is cut into units of this many lines.
+UNIT_LINES = 2000
 
 
 def tail_lines(path: Path, end: int | None = None, count: int = TAIL_LINES) -> list[str]:
@@ -206,7 +221,7 @@ class _Held:
         while True:
             if self._complete is not None:
                 text, self._complete = self._complete, None
-                shown.append(self._show(text, list(self._queues)))
+                shown += self._show(text, list(self._queues))
                 continue
             while self._heads and self._shown[self._heads[0][1]] != self._heads[0][2]:
                 heapq.heappop(self._heads)
@@ -217,7 +232,7 @@ class _Held:
                 return shown
             text = self._head(rank)
             if self._all_at_head(text) or not self._catch_up(text, shown):
-                shown.append(self._show(text, [r for r in self._holders[text] if self._head(r) == text]))
+                shown += self._show(text, [r for r in self._holders[text] if self._head(r) == text])
 
     def _catch_up(self, text: str, shown: list[str]) -> bool:
         """Show the heads in the way of the ranks that hold ``text`` further back, as long as
@@ -225,7 +240,7 @@ class _Held:
         caught_up = False
         for rank in self._holders[text]:
             while (head := self._head(rank)) != text and self._all_at_head(head):
-                shown.append(self._show(head, list(self._holders[head])))
+                shown += self._show(head, list(self._holders[head]))
                 caught_up = True
         return caught_up
 
@@ -244,8 +259,9 @@ class _Held:
         if self._at_head[text] == self._everyone:
             self._complete = text
 
-    def _show(self, text: str, ranks: list[int]) -> str:
-        """Take ``text``, the head of each of ``ranks``, off their queues: one shown line."""
+    def _show(self, text: str, ranks: list[int]) -> list[str]:
+        """Take ``text``, the head of each of ``ranks``, off their queues: its shown lines (a
+        traceback's are several, each with the ranks)."""
         holders = self._holders[text]
         for rank in ranks:
             self._queues[rank].popleft()
@@ -262,7 +278,50 @@ class _Held:
         for rank in ranks:  # after every rank let go of this head: it may be their next one too
             if self._queues[rank]:
                 self._new_head(rank)
-        return f"{_prefix(ranks)} {text}"
+        prefix = _prefix(ranks)
+        return [f"{prefix} {line}" for line in text.split("\n")]
+
+
+class _Units:
+    """One rank's finished lines as the units that collapse: a line, or a whole traceback
+    (its lines joined by newlines). A traceback is held here until its end is read; one whose
+    end does not come (a rank that stopped writing) goes on as it is after COLLAPSE_WINDOW_S."""
+
+    def __init__(self) -> None:
+        self._open: list[str] = []  # the traceback read so far
+        self._ends_with_exception = False  # Python's: its exception line belongs to it
+        self._since = 0.0  # when its last line was read
+
+    def take(self, lines: list[str], now: float, final: bool) -> list[str]:
+        units: list[str] = []
+        for line in lines:
+            if self._open and self._extend(line):
+                continue
+            if self._open:
+                units.append(self._close())
+                if self._ends_with_exception:  # its exception line
+                    units[-1] += "\n" + line
+                    continue
+            if _TRACEBACK.match(line) or _STACK.match(line):
+                self._open, self._ends_with_exception = [line], bool(_TRACEBACK.match(line))
+            else:
+                units.append(line)
+        if lines and self._open:
+            self._since = now
+        if self._open and (final or now - self._since >= COLLAPSE_WINDOW_S):
+            units.append(self._close())
+        return units
+
+    def _extend(self, line: str) -> bool:
+        """Add ``line`` to the open traceback when it is one of its frames."""
+        if line[:1].isspace() and len(self._open) < UNIT_LINES:
+            self._open.append(line)
+            return True
+        return False
+
+    def _close(self) -> str:
+        unit, self._open = "\n".join(self._open), []
+        return unit
 
 
 class LogFollower:
@@ -279,16 +338,20 @@ class LogFollower:
         display: PlainDisplay | None = None,
         *,
         collapse: bool = False,
+        pace: bool = False,
     ):
         """``display``: where lines go (``progress.open_display()``); default: printed to
         ``out`` (``sys.stdout`` at each write). ``collapse``: show a line that several ranks
         print alike once (the module's docstring); with one shown rank there is nothing to
-        collapse, and nothing is held."""
+        collapse, and nothing is held. ``pace``: show a rank's lines that differ only in their
+        numbers at a bounded rate (``pacing.Pacer``)."""
         self._logs = {rank: _RankLog(path_of(rank)) for rank in rank_list(ranks)}
         self._shows = shows
         self._display = display or PlainDisplay(out)
         shown = [rank for rank in self._logs if shows(rank)]
         self._held = _Held(shown) if collapse and len(shown) > 1 else None
+        self._pacer = Pacer() if pace else None
+        self._units = {rank: _Units() for rank in shown}
 
     def poll(self, final: bool = False) -> bool:
         """Show what was written since the last poll, up to READ_BYTES of each rank's log (a
@@ -305,13 +368,15 @@ class LogFollower:
             wrote = wrote or log.grew
             if self._shows(rank):
                 if held is not None:
-                    held.add(rank, lines, now)
+                    held.add(rank, self._units[rank].take(lines, now, final), now)
                 else:
                     finished += [f"[rank {rank}] {line}" for line in lines]
                 if log.grew or final:
                     self._display.live(rank, log.live and f"[rank {rank}] {log.live}")
         if held is not None:
             finished += held.due(now, final)
+        if self._pacer is not None:
+            finished = self._pacer.admit(finished, now) + (self._pacer.flush() if final else [])
         if finished:
             self._display.write(finished)
         return wrote

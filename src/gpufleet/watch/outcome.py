@@ -29,6 +29,10 @@ from gpufleet.watch import diagnosis
 from gpufleet.watch.logs import tail_lines
 from gpufleet.watch.monitor import RunMonitor
 
+# A rank that left with status 0 (sys.exit(0) in the function, its script's end) is named as
+# the cause of a peer's communication error that came this soon after it left.
+LEFT_WINDOW_SECONDS = 30.0
+
 
 def hung(job: Job, options: RunOptions) -> RunHangError:
     """Every rank's stacks, read for who waits in a collective and who does not."""
@@ -61,8 +65,8 @@ def preempted(job: Job, options: RunOptions) -> RunPreemptedError:
     failures: list[RankFailure] = []
     for rank in job.ranks:
         status, failure = _read_result(job.attempt, rank)
-        if status == "ok":
-            values[rank] = failure
+        if status in ("ok", "left"):
+            values[rank] = failure if status == "ok" else None
             continue
         death = report.get("failures", {}).get(str(rank))
         if failure is None and death and death.get("exitcode") not in (-signal.SIGTERM, -signal.SIGKILL):
@@ -140,18 +144,21 @@ def collect(attempt: RunDir, world_size: int, job: Job | None = None) -> list:
     hosts = report.get("hosts", {})  # a cluster launcher names each rank's node
     values: dict[int, Any] = {}
     failures: list[RankFailure] = []
+    left: list[RankFailure] = []
     ranks = job.ranks if job else range(world_size)
     for rank in ranks:
         status, item = _read_result(attempt, rank)
-        if status == "ok":
-            values[rank] = item
+        if status in ("ok", "left"):
+            values[rank] = item if status == "ok" else None
+            left += [item] if status == "left" else []
             continue
-        failure = item or _death(reports, rank, report, job.monitor if job else None)
-        failure.host = hosts.get(str(rank), failure.host)
-        failure.log_tail = tail_lines(attempt.log(rank), end=failure.log_bytes)
-        failures.append(failure)
+        failures.append(item or _death(reports, rank, report, job.monitor if job else None))
     if not failures:
         return [values[rank] for rank in ranks]
+    failures += left_first(left, failures)
+    for failure in failures:
+        failure.host = hosts.get(str(failure.rank), failure.host)
+        failure.log_tail = tail_lines(attempt.log(failure.rank), end=failure.log_bytes)
     cause = job.cause(failures) if job else None
     if cause is not None:  # this machine's ranks failed or were stopped because of it
         for failure in failures:
@@ -163,6 +170,16 @@ def collect(attempt: RunDir, world_size: int, job: Job | None = None) -> list:
         failures, run_dir=attempt.path, world_size=world_size, stopped=stopped, headline=headline
     )
     raise error from original_exception(error)
+
+
+def left_first(left: list[RankFailure], failures: list[RankFailure]) -> list[RankFailure]:
+    """The ranks that left with status 0 that a peer failed on: a communication error within
+    LEFT_WINDOW_SECONDS after the rank left. Their peers' errors only say that a connection
+    closed ("Connection closed by peer"); the rank that left first is the cause."""
+    return [
+        gone for gone in left
+        if any(f.collateral and 0 <= f.time - gone.time <= LEFT_WINDOW_SECONDS for f in failures)
+    ]
 
 
 def _lost_launcher(job: Job) -> str:
@@ -183,7 +200,8 @@ def _lost_launcher(job: Job) -> str:
 
 
 def _read_result(run: RunDir, rank: int) -> tuple[str, Any]:
-    """("ok", the value), ("error", its RankFailure), or ("missing", None)."""
+    """("ok", the value), ("error", its RankFailure), ("left", its RankFailure: a success
+    unless a peer failed on it, ``left_first``), or ("missing", None)."""
     path = run.result(rank)
     if not path.exists():
         return ("missing", None)

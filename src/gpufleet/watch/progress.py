@@ -61,8 +61,9 @@ class Status:
 
 def status_line(status: Status) -> str:
     """``train-…-3fa2c1 · 2/2 ranks alive · 0:01:23 · step 120/500 · loss 0.113 lr 0.0003 ·
-    3.2k samples/s · ETA 0:02:10 · slowest rank 1 +4% of a step late · GPU 0: 87% 61.2/80 GiB``
-    (the GPUs last: a long list is what the terminal may cut)."""
+    3.2k samples/s · 410k tokens/s (205k/GPU) · MFU 41% · ETA 0:02:10 · slowest rank 1 +4% of
+    a step late · GPU 0: 87% 61.2/80 GiB`` (the GPUs last: a long list is what the terminal may
+    cut)."""
     found = _RUN_NAME.match(status.name)
     parts = [f"{found['name']}-…-{found['token']}" if found else status.name]
     if status.attempt:
@@ -86,7 +87,8 @@ def status_line(status: Status) -> str:
 
 def steps_parts(found: Comparison | None, running: bool = True, with_step: bool = True) -> list[str]:
     """What the ranks' step telemetry (``steps.compare``) adds to a status: ``step 120/500``
-    (unless not ``with_step``), ``3.2k samples/s``, ``ETA 0:02:10``, ``straggler rank 1
+    (unless not ``with_step``), ``3.2k samples/s``, ``410k tokens/s (205k/GPU)``, ``MFU 41%``
+    (the ranks' mean; their range when they differ), ``ETA 0:02:10``, ``straggler rank 1
     (gpu-07, GPU 1) +35% of a step late``, ``input-bound: rank 0 waits 41% for data``; no ETA
     once the run is not ``running``."""
     if found is None:
@@ -97,7 +99,9 @@ def steps_parts(found: Comparison | None, running: bool = True, with_step: bool 
     elif found.steps_per_s is not None:
         parts.append(f"{found.steps_per_s:.3g} steps/s")
     if found.tokens_per_s is not None:
-        parts.append(f"{_count(found.tokens_per_s)} tokens/s")
+        parts.append(f"{_count(found.tokens_per_s)} tokens/s{_per_device(found)}")
+    if found.mfu is not None:
+        parts.append(_mfu(found))
     if found.eta_s is not None and running:
         parts.append(f"ETA {clock(found.eta_s)}")
     if found.straggler is not None:
@@ -111,6 +115,22 @@ def steps_parts(found: Comparison | None, running: bool = True, with_step: bool 
                  else f"{len(found.input_bound)} ranks wait")
         parts.append(f"input-bound: {which} {worst.input_share:.0%} for data")
     return parts
+
+
+def _per_device(found: Comparison) -> str:
+    """`` (205k/GPU)``: the ranks' mean tokens/s, when there are several (a rank per GPU)."""
+    rates = [v.tokens_per_s for v in found.ranks if v.tokens_per_s is not None]
+    if len(rates) < 2:
+        return ""
+    device = "GPU" if any(v.gpu is not None for v in found.ranks) else "rank"
+    return f" ({_count(sum(rates) / len(rates))}/{device})"
+
+
+def _mfu(found: Comparison) -> str:
+    """``MFU 41%``, or ``MFU 41% (38–44%)`` when the ranks' differ."""
+    known = [v.mfu for v in found.ranks if v.mfu is not None]
+    low, high = f"{min(known):.0%}", f"{max(known):.0%}"
+    return f"MFU {found.mfu:.0%}" + (f" ({low}–{high})" if low != high else "")
 
 
 def _late(found: Comparison, view: RankView) -> str:

@@ -97,12 +97,17 @@ class Supervisor:
         self.preemption = preemption
         self.options = options
         self.display = progress.open_display()  # draws nothing until the call has run a while
-        self.follower = LogFollower(self.folder.log, self.ranks, options.shows_rank, display=self.display,
-                                    collapse=options.collapse_lines)
+        self.follower = LogFollower(self.folder.log, self.ranks, self._shows, display=self.display,
+                                    collapse=options.collapse_lines, pace=options.collapse_lines)
         self.progress = progress.ProgressFile(self.folder.progress)
         self.telemetry = telemetry.Latest(self.folder.telemetry)  # for the status line's GPUs
         self.steps = steps.Reader(self.folder, self.ranks)  # its throughput and stragglers
         self.stop_deadline: float | None = None  # set by a SIGTERM: the end of the grace period
+
+    def _shows(self, rank: int) -> bool:
+        """Whether ``rank``'s lines are shown live: the ranks written here are this machine's,
+        in the order of their local ranks (``--local-ranks-filter`` names those)."""
+        return self.options.shows_rank(rank, self.ranks.index(rank))
 
     def wait(self, deadline: float | None = None) -> list:
         """Block until every rank is done; return their values in rank order or raise.
