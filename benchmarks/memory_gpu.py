@@ -232,6 +232,18 @@ def one_rank_world() -> None:
         os.environ.setdefault(name, value)
 
 
+def isolated(fn, *args) -> dict:
+    """``fn(*args)`` in a fresh process: each measurement starts from an empty GPU, whatever an
+    earlier one left behind (DeepSpeed's engines keep memory until their process ends); an
+    exception becomes ``{"error": ...}``."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except Exception as exc:  # noqa: BLE001  # one part's failure is reported in its line
+            return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def _clean() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -283,10 +295,12 @@ def _limit(per_sample: int) -> None:
 
 
 def oom_recovery(tiny: bool, per_sample: int) -> dict:
-    shrunk = oom_run(8, OOM_STEP, per_sample, tiny)
+    shrunk = isolated(oom_run, 8, OOM_STEP, per_sample, tiny)
+    steady = isolated(oom_run, 4, None, per_sample, tiny)
+    if "error" in shrunk or "error" in steady:
+        return {"error": shrunk.get("error") or steady.get("error")}
     if tiny:  # no GPU to run out of: the script's own path is what is checked
         shrunk["note"] = "no GPU: the OOM was not provoked"
-    steady = oom_run(4, None, per_sample, tiny)
     diffs = [abs(a - b) / abs(b) for a, b in zip(shrunk["losses"], steady["losses"])]
     shrink = shrunk["shrinks"][0] if shrunk["shrinks"] else None
     redone = shrink["step"] if shrink else None
@@ -386,13 +400,15 @@ def report(rows, estimates, measured, recovery, check, args) -> str:
     oom = ["", "## A real CUDA OOM (set_per_process_memory_fraction), Llama 3.2 1B DDP, 16 samples a step", ""]
     if not r:
         oom += ["- not run (--parts)"]
+    elif "error" in r:
+        oom += [f"- failed: {r['error']}"]
     elif r.get("shrink"):
         oom += [f"- shrink: step {r['shrink']['step']}, micro-batch {r['shrink']['old_micro_batch']} → "
                 f"{r['shrink']['new_micro_batch']}, where: {r['shrink'].get('where')}",
                 f"- training went on {r['continue_s']:.2f} s after the OOM (the redone step's end; target < 10 s)"]
     else:
         oom += ["- no OOM happened: the limit was not low enough (see the losses)"]
-    oom += [] if not r else [f"- loss curve against micro-batch 4 from the start: largest difference {100 * r['max_loss_diff']:.3f}% "
+    oom += [] if not r or "error" in r else [f"- loss curve against micro-batch 4 from the start: largest difference {100 * r['max_loss_diff']:.3f}% "
             f"(target < 1%)", f"- optimizer steps: {r['optimizer_steps'][0]} and {r['optimizer_steps'][1]}",
             f"- losses (shrunk, steady): {json.dumps([[round(x, 4) for x in c] for c in r['losses']])}"]
     checked = ["", "## The check before the first step, another process holding most of the GPU", "",
@@ -416,11 +432,7 @@ def main() -> None:
         pending = [pool.submit(estimate_row, row, args.tiny) for row in rows]
         measured = []
         for row in rows:
-            try:
-                measured.append(measure_row(row, args.tiny))
-            except Exception as exc:  # noqa: BLE001  # one row's failure is reported in its line
-                measured.append({"error": f"{type(exc).__name__}: {str(exc)[:160]}"})
-                _clean()
+            measured.append(isolated(measure_row, row, args.tiny))
             print(f"measured {row.name}: {measured[-1]}", flush=True)
         estimates = []
         for future in pending:
@@ -433,7 +445,8 @@ def main() -> None:
                        and not r.checkpointing and "error" not in e), 0)
     per_sample = per_sample // 2  # those rows trace 2048 tokens a sample; the OOM run has 1024
     recovery = oom_recovery(args.tiny, per_sample) if "oom" in parts else {}
-    check = check_with_a_neighbour(args.tiny) if "check" in parts else {}
+    print(f"recovery: {recovery}", flush=True)
+    check = isolated(check_with_a_neighbour, args.tiny) if "check" in parts else {}
     text = report(rows, estimates, measured, recovery, check, args)
     print(text)
     if args.out:

@@ -132,13 +132,13 @@ def test_an_elastic_run_starts_with_the_gpus_that_are_free(cluster, runs_dir, ca
     assert "2 ranks on 1 node of the Ray cluster" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 def test_an_elastic_run_shrinks_when_a_node_is_lost_grows_when_one_joins_and_ends_as_an_uninterrupted_run(
         cluster, runs_dir, tmp_path, capsys):
     held = placement_group([{"GPU": 1, "CPU": 1}] * GPUS_PER_NODE, strategy="STRICT_PACK")
     ray.get(held.ready(), timeout=30)  # another job holds one node of the module's
     doomed = add_gpu_node(cluster)  # the run gets the other and this one, which it loses
-    fn = distributed(gpus=(2, 4), remote=True, runs_dir=runs_dir, timeout=200, max_retries=0,
+    fn = distributed(gpus=(2, 4), remote=True, runs_dir=runs_dir, timeout=400, max_retries=0,
                      tracking=False)(train)
     events: dict = {}
     outcome: dict = {}
@@ -158,7 +158,7 @@ def test_an_elastic_run_shrinks_when_a_node_is_lost_grows_when_one_joins_and_end
             if wait_for(lambda: logged(fn, r"step \d+ world 2"), timeout=90):
                 events["joined"] = time.time()
                 events["node"] = add_gpu_node(cluster)
-        caller.join(150)
+        caller.join(360)
         assert not caller.is_alive(), "the call did not end within its timeout"
     finally:
         remove_placement_group(held)
