@@ -98,7 +98,7 @@ def assert_same_weights(got: dict, want: dict) -> None:
             f"{name} differs from one process on the global batch by {(got[name] - ref).abs().max():.3g}")
 
 
-def train_in_ranks(strategy, build, data, oom, checkpoints=None, plain_step=False):
+def train_in_ranks(strategy, build, data, oom, checkpoints=None, plain_step=False, **options):
     """The rank's side: `strategy` over `build()`, MicroBatches at micro-batch 4, torch's OOM
     raised at `oom` = (step, rank, call of the loss function in that step, "forward" or
     "backward"); a checkpoint after every step when `checkpoints` is a folder; with
@@ -110,7 +110,8 @@ def train_in_ranks(strategy, build, data, oom, checkpoints=None, plain_step=Fals
     runtime.setup(timeout=60)
     rank, world = runtime.get_global_rank(), runtime.get_world_size()
     torch.manual_seed(0)
-    trainer = strategies.prepare(build(), lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), strategy)
+    trainer = strategies.prepare(build(), lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9), strategy,
+                                 **options)
     helper = memory.MicroBatches(trainer, micro_batch=4)
     ckpt = Checkpointer(checkpoints, async_save=False) if checkpoints else None
     start = ckpt.restore(trainer, extra={"batches": helper}) if ckpt else 0
@@ -146,14 +147,17 @@ def train_in_ranks(strategy, build, data, oom, checkpoints=None, plain_step=Fals
 # ---------------------------------------------------------------------------- in place
 
 
-@pytest.mark.parametrize("world, phase", [(2, "forward"), (2, "backward"), (4, "forward")])
-def test_an_oom_on_one_rank_shrinks_every_rank_and_keeps_the_global_batch(world, phase, runs_dir):
+# find_unused: DDP all-reduces in each backward pass which parameters it used (the Hugging
+# Face Trainer's default without gradient checkpointing)
+@pytest.mark.parametrize("world, phase, find_unused", [(2, "forward", False), (2, "backward", False),
+                                                       (4, "forward", False), (2, "forward", True)])
+def test_an_oom_on_one_rank_shrinks_every_rank_and_keeps_the_global_batch(world, phase, find_unused, runs_dir):
     data = batches(world)
     oom = (2, 1, 2, phase)  # step 2, rank 1, its second micro-batch
 
     @distributed(gpus=world, runs_dir=runs_dir, timeout=180)
     def train(data, oom):
-        return train_in_ranks("ddp", mlp, data, oom, plain_step=True)
+        return train_in_ranks("ddp", mlp, data, oom, plain_step=True, find_unused_parameters=find_unused)
 
     results = train.distributed(data, oom)
     for rank, r in enumerate(results):

@@ -32,6 +32,9 @@ In a rank of a gpufleet run the callback
   ``gpufleet.memory``), from the Trainer's own settings (strategy, precision, optimizer,
   gradient checkpointing) and the batch it sees.
 
+``micro_batches(trainer)`` sends the Trainer's training steps through ``gpufleet.memory.MicroBatches``:
+a CUDA out-of-memory error on any rank halves the micro-batch on every rank and redoes the step.
+
 ``last_checkpoint`` is the one line that makes ``train()`` resume: on a retry
 (``max_retries``) or the next call, from the newest complete ``checkpoint-N``.
 
@@ -59,7 +62,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.memory import check
 from gpufleet.tracking import _progress
 
-__all__ = ["GpufleetCallback", "last_checkpoint"]
+__all__ = ["GpufleetCallback", "last_checkpoint", "micro_batches"]
 
 CHECKPOINT = re.compile(r"checkpoint-(\d+)")  # the Trainer's folders: PREFIX_CHECKPOINT_DIR-step
 # Written last into a checkpoint folder, by rank 0, after the model, optimizer and RNG states:
@@ -238,3 +241,65 @@ def _forward(values: dict[str, Any], step: int, progress_only: bool) -> None:
         return
     runtime.heartbeat()
     _progress.note(step, values)
+
+
+def micro_batches(trainer: Any, micro_batch: int | None = None, *, shrink: bool = True) -> Any:
+    """Send ``trainer``'s training steps (a Trainer, or TRL's) through ``gpufleet.memory.MicroBatches``;
+    returns the trainer.
+
+    Each batch of ``per_device_train_batch_size`` samples the Trainer hands its training step is
+    split into micro-batches of ``micro_batch`` samples (default: the whole batch); when a rank
+    runs out of GPU memory, every rank halves the micro-batch and redoes the batch, so the
+    gradients, the global batch and the optimizer steps stay the Trainer's. Give the Trainer the
+    rank's whole batch with ``gradient_accumulation_steps=1``: then every out-of-memory error is
+    redone in place. With more accumulation steps, one in any but the first batch of an
+    optimizer step ends the attempt, and a retry (``max_retries``) starts at the smaller
+    micro-batch. DeepSpeed's engine, which accumulates by itself, is refused."""
+    batch = trainer.args.per_device_train_batch_size
+    micro_batch = batch if micro_batch is None else micro_batch
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or not 1 <= micro_batch <= batch:
+        raise ConfigError(f"micro_batch={micro_batch!r}: a whole number from 1 to the Trainer's "
+                          f"per_device_train_batch_size ({batch})")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        raise ConfigError("micro_batches does not drive DeepSpeed's engine (ZeRO), which accumulates "
+                          "gradients itself; use DDP or FSDP, or DeepSpeed's own batch settings")
+    from gpufleet.memory import MicroBatches
+
+    helper: list[MicroBatches] = []
+
+    def training_step(model: Any, inputs: dict, num_items_in_batch: Any = None) -> Any:
+        if not helper:  # the model the loop hands over is the wrapped one (DDP, FSDP)
+            helper.append(MicroBatches(model, micro_batch, optimizer=trainer.optimizer, shrink=shrink,
+                                       backward=trainer.accelerator.backward))
+        model.train()
+        if callable(getattr(trainer.optimizer, "train", None)):
+            trainer.optimizer.train()
+        inputs = trainer._prepare_inputs(inputs)
+        scaled = _loss_is_summed(trainer, num_items_in_batch)
+        accumulation = trainer.current_gradient_accumulation_steps
+
+        def loss_of(micro: dict) -> Any:
+            with trainer.compute_loss_context_manager():
+                loss = trainer.compute_loss(model, micro, num_items_in_batch=num_items_in_batch)
+            if trainer.args.n_gpu > 1:
+                loss = loss.mean()
+            return loss if scaled else loss / accumulation
+
+        fresh = all(p.grad is None for p in model.parameters() if p.requires_grad)
+        helper[0].optimizer_steps = trainer.state.global_step
+        loss = helper[0].accumulate(inputs, loss_of, weigh=not scaled, redo=fresh,
+                                    synchronise=trainer.accelerator.sync_gradients)
+        return loss.detach()
+
+    trainer.training_step = training_step
+    return trainer
+
+
+def _loss_is_summed(trainer: Any, num_items_in_batch: Any) -> bool:
+    """Whether the Trainer's loss is a sum over the batch's tokens divided by their number
+    (``num_items_in_batch``), so that micro-batches' losses add up, as the Trainer decides it."""
+    fixed = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if fixed is not None:
+        return bool(fixed)
+    return bool((getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None)
+                or getattr(trainer, "compute_loss_func", None) is not None)

@@ -11,7 +11,10 @@ ranks inside a collective (then an out-of-memory error there cannot be agreed on
   broadcasts its buffers at the first micro-batch of a step only, as with ``no_sync``.
   ``overlap_sync=True`` lets DDP's last backward pass overlap the all-reduce with the
   computation instead (faster when communication is a large share of a step), and an OOM in
-  that micro-batch then ends the attempt.
+  that micro-batch then ends the attempt. A DDP model made with ``find_unused_parameters=True``
+  (the Hugging Face Trainer's default without gradient checkpointing) all-reduces in every
+  backward pass which parameters it used, which no hook keeps local: its micro-batches run
+  under ``no_sync`` and the helper averages the gradients afterwards the same way.
 - FSDP2: parameters are gathered in every forward pass, so with more than one rank an OOM in
   any micro-batch may leave the others waiting in an all-gather: the attempt ends, and a retry
   goes on at the smaller micro-batch. With one rank there is nobody to wait.
@@ -69,8 +72,10 @@ class Driver:
         self.optimizer.zero_grad(set_to_none=True)
 
     def forget(self) -> None:
-        """Drop the gradients of a step that will be redone."""
+        """Drop the gradients of a step that will be redone (the model's own too: a wrapped
+        optimizer, Accelerate's, may skip ``zero_grad`` in the middle of an accumulation)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
 
 
 class DDPDriver(Driver):
@@ -78,7 +83,10 @@ class DDPDriver(Driver):
         super().__init__(*args, **kwargs)
         self.overlap = overlap_sync
         self.local = False  # inside a step: the hook keeps buckets local
-        if not overlap_sync:
+        # DDP that looks for unused parameters all-reduces which ones each backward pass used,
+        # a collective no hook can keep local: such a model accumulates under no_sync instead
+        self.unused = bool(getattr(self.model, "find_unused_parameters", False))
+        if not overlap_sync and not self.unused:
             try:
                 self.model.register_comm_hook(self, _local_or_allreduce)
             except RuntimeError:  # DDP takes one hook, and the user registered theirs
@@ -94,6 +102,10 @@ class DDPDriver(Driver):
             if last:
                 yield
                 return
+            with self.model.no_sync():
+                yield
+            return
+        if self.unused:
             with self.model.no_sync():
                 yield
             return

@@ -49,7 +49,8 @@ class MicroBatches:
     first. ``shrink=False`` lets an out-of-memory error through as it is. ``overlap_sync``
     (DDP): let DDP's last backward pass synchronise gradients while it computes, faster where
     communication is a large share of the step, at the price of ending the attempt (a retry
-    goes on) when a rank runs out in that micro-batch.
+    goes on) when a rank runs out in that micro-batch. ``backward(loss)``: how a micro-batch's
+    loss is backpropagated (default: the trainer's, else ``loss.backward()``).
 
     ``micro_batch``, ``grad_accum`` (of the last step), ``optimizer_steps`` and ``shrinks``
     (this process's records, ``memory.records``) tell where it stands; ``state_dict()`` keeps
@@ -57,7 +58,8 @@ class MicroBatches:
     """
 
     def __init__(self, target: Any, micro_batch: int, *, optimizer: Any = None, scheduler: Any = None,
-                 shrink: bool = True, overlap_sync: bool = False):
+                 shrink: bool = True, overlap_sync: bool = False,
+                 backward: Callable[[Any], Any] | None = None):
         if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
             raise ConfigError(f"micro_batch={micro_batch!r} must be a whole number ≥ 1")
         from gpufleet.memory._drivers import driver_for
@@ -66,6 +68,7 @@ class MicroBatches:
         self.rank = _environ.rank()
         self._driver = driver_for(target, optimizer, scheduler, self.world_size, overlap_sync)
         self.shrink = shrink
+        self._backward = backward or self._driver.backward
         self.micro_batch = micro_batch
         self.grad_accum: int | None = None
         self.optimizer_steps = 0
@@ -82,16 +85,30 @@ class MicroBatches:
         """One optimizer step over ``batch`` (this rank's samples: a tensor, or a tuple, list or
         dict of tensors sharing their first dimension); ``loss_fn(micro)`` returns the mean
         loss of a micro-batch. Returns the batch's mean loss (a tensor, detached)."""
+        loss = self.accumulate(batch, loss_fn)
+        self._finish(_size(batch))
+        return loss
+
+    def accumulate(self, batch: Any, loss_fn: Callable[[Any], Any], *, weigh: bool = True,
+                   synchronise: bool = True, redo: bool = True) -> Any:
+        """``step`` without the optimizer step, for a loop that steps the optimizer itself (the
+        Hugging Face Trainer's): the gradients of ``batch`` are added to the parameters' and,
+        with ``synchronise``, averaged across ranks. ``weigh=False``: ``loss_fn`` returns a
+        micro-batch's loss already on the batch's scale (summed, not weighed by its samples).
+        ``redo=False``: the parameters held gradients before this call, which a redo could not
+        tell apart from this call's, so an OOM ends the attempt (a retry goes on)."""
         size = _size(batch)
         while True:
-            ran_out = self._micro_batches(batch, size, loss_fn)
+            ran_out = self._micro_batches(batch, size, loss_fn, weigh, synchronise, redo)
             out_of_memory = self._agree(ran_out is not None, size)
             if not out_of_memory:
-                self._finish(size)
+                if synchronise:
+                    self._synchronise(size)
                 return self._loss
             self._shrink(out_of_memory, size)
 
-    def _micro_batches(self, batch: Any, size: int, loss_fn: Callable[[Any], Any]) -> str | None:
+    def _micro_batches(self, batch: Any, size: int, loss_fn: Callable[[Any], Any], weigh: bool,
+                       synchronise: bool, redo: bool) -> str | None:
         """Run the step's micro-batches; None when every one ran, else where it ran out."""
         import torch
 
@@ -99,14 +116,14 @@ class MicroBatches:
         self.grad_accum = len(chunks)
         self._loss = None
         for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
+            last = i == len(chunks) - 1 and synchronise
             phase = "forward"
             try:
                 with self._driver.micro_batch(first=i == 0, last=last):
                     loss = loss_fn(chunk)
                     phase = "backward"
-                    weighted = loss * (_size(chunk) / size)
-                    self._driver.backward(weighted)
+                    weighted = loss * (_size(chunk) / size) if weigh else loss
+                    self._backward(weighted)
                 self._loss = weighted.detach() if self._loss is None else self._loss + weighted.detach()
             except torch.OutOfMemoryError as exc:
                 if not self.shrink:
@@ -114,21 +131,36 @@ class MicroBatches:
                 self._where = f"micro-batch {i + 1} of {len(chunks)}, {phase}"
                 if self._driver.leaves_peers_waiting(last):
                     self._give_up(exc, size, "the other ranks may be waiting for it in a collective")
+                if not redo:
+                    self._give_up(exc, size, "the gradients it holds from earlier in the optimizer step "
+                                             "cannot be told apart from this pass's")
                 return self._where
         return None
 
-    def _finish(self, size: int) -> None:
-        """Synchronise and step: past the agreement, an OOM cannot be undone in place."""
+    def _synchronise(self, size: int) -> None:
+        """Average the gradients the micro-batches kept local: past the agreement, an OOM here
+        cannot be undone in place."""
         import torch
 
         try:
             self._driver.synchronise()
+        except torch.OutOfMemoryError as exc:
+            if not self.shrink:
+                raise
+            self._where = "gradients' all-reduce"
+            self._give_up(exc, size, "the gradients' all-reduce had begun")
+
+    def _finish(self, size: int) -> None:
+        """The optimizer step: past the agreement, an OOM cannot be undone in place."""
+        import torch
+
+        try:
             self._driver.finish()
         except torch.OutOfMemoryError as exc:
             if not self.shrink:
                 raise
-            self._where = "gradients' all-reduce or optimizer step"
-            self._give_up(exc, size, "the optimizer step had begun (or the gradients' all-reduce)")
+            self._where = "optimizer step"
+            self._give_up(exc, size, "the optimizer step had begun")
         self.optimizer_steps += 1
 
     # -- agreeing -------------------------------------------------------------------------------

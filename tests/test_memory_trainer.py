@@ -1,0 +1,82 @@
+"""`gpufleet.integrations.huggingface.micro_batches`: the Hugging Face Trainer's training steps go
+through `MicroBatches`, so a CUDA out-of-memory error on one rank of two real gloo ranks halves
+the micro-batch on both, the step is redone, and the Trainer ends with the weights of a Trainer
+that never ran out (same global batch, same optimizer steps). Bad input is refused before
+training starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpufleet import ConfigError, distributed
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(240)
+
+OOM = "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+def tiny_trainer(out: str, batch: int, accumulation: int = 1):
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(32, (64, 8), generator=torch.Generator().manual_seed(1))]
+    args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, learning_rate=1e-2,
+                             save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
+                             seed=0, logging_steps=1)
+    return Trainer(LlamaForCausalLM(config), args, train_dataset=data)
+
+
+def test_an_oom_on_one_rank_shrinks_both_and_the_trainer_ends_as_if_none_happened(runs_dir, tmp_path):
+    def train(out: str):
+        from gpufleet import runtime
+        from gpufleet.integrations.huggingface import micro_batches
+
+        rank = runtime.get_global_rank()
+        plain = tiny_trainer(f"{out}/plain", batch=4)
+        plain.train()
+
+        shrunk = micro_batches(tiny_trainer(f"{out}/shrunk", batch=4), micro_batch=4)
+        seen: list[int] = []
+
+        def run_out(module, args, kwargs):  # rank 1, step 2, a micro-batch of 4: once
+            size = kwargs["input_ids"].shape[0]
+            seen.append(size)
+            if rank == 1 and shrunk.state.global_step == 1 and size == 4 and 2 not in seen:
+                raise torch.OutOfMemoryError(OOM)
+
+        shrunk.model.register_forward_pre_hook(run_out, with_kwargs=True)
+        shrunk.train()
+        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in
+                   zip(plain.model.state_dict().values(), shrunk.model.state_dict().values()))
+        return {"same_weights": same, "steps": (plain.state.global_step, shrunk.state.global_step),
+                "sizes": seen, "losses": [round(e["loss"], 4) for e in shrunk.state.log_history if "loss" in e],
+                "plain_losses": [round(e["loss"], 4) for e in plain.state.log_history if "loss" in e]}
+
+    fn = distributed(gpus=2, runs_dir=runs_dir, timeout=180, tracking=False)(train)
+    results = fn.distributed(str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["same_weights"], result
+        assert result["steps"] == (4, 4), result
+        # micro-batches of 4 until step 2 ran out on rank 1; then two of 2 on every rank
+        assert result["sizes"][:1] == [4] and result["sizes"][-1] == 2, result
+        assert result["losses"] == pytest.approx(result["plain_losses"], rel=1e-3), result
+    records = [json.loads(line) for line in (fn.last_run / "memory.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["old_micro_batch"], r["new_micro_batch"], r["ranks"]) for r in records] == [(2, 4, 2, [1])]
+
+
+def test_a_micro_batch_the_trainer_cannot_take_is_refused(tmp_path):
+    from gpufleet.integrations.huggingface import micro_batches
+
+    trainer = tiny_trainer(str(tmp_path), batch=4)
+    for bad in (0, 5, 2.0, True):
+        with pytest.raises(ConfigError) as info:
+            micro_batches(trainer, micro_batch=bad)
+        assert f"micro_batch={bad!r}" in str(info.value) and "per_device_train_batch_size (4)" in str(info.value)
