@@ -1,4 +1,4 @@
-"""`gpufleet.integrations.huggingface.micro_batches`: the Hugging Face Trainer's training steps go
+"""`micro_batches` of the Hugging Face and Lightning integrations: the Trainer's training steps go
 through `MicroBatches`, so a CUDA out-of-memory error on one rank of two real gloo ranks halves
 the micro-batch on both, the step is redone, and the Trainer ends with the weights of a Trainer
 that never ran out (same global batch, same optimizer steps). Bad input is refused before
@@ -14,10 +14,13 @@ import torch
 
 from gpufleet import ConfigError, distributed
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(240)
 
 OOM = "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
+
+
+def needs(module: str) -> None:
+    pytest.importorskip(module)
 
 
 def tiny_trainer(out: str, batch: int, accumulation: int = 1):
@@ -35,6 +38,7 @@ def tiny_trainer(out: str, batch: int, accumulation: int = 1):
 
 
 def test_an_oom_on_one_rank_shrinks_both_and_the_trainer_ends_as_if_none_happened(runs_dir, tmp_path):
+    needs("transformers")
     def train(out: str):
         from gpufleet import runtime
         from gpufleet.integrations.huggingface import micro_batches
@@ -73,6 +77,7 @@ def test_an_oom_on_one_rank_shrinks_both_and_the_trainer_ends_as_if_none_happene
 
 
 def test_a_micro_batch_the_trainer_cannot_take_is_refused(tmp_path):
+    needs("transformers")
     from gpufleet.integrations.huggingface import micro_batches
 
     trainer = tiny_trainer(str(tmp_path), batch=4)
@@ -80,3 +85,62 @@ def test_a_micro_batch_the_trainer_cannot_take_is_refused(tmp_path):
         with pytest.raises(ConfigError) as info:
             micro_batches(trainer, micro_batch=bad)
         assert f"micro_batch={bad!r}" in str(info.value) and "per_device_train_batch_size (4)" in str(info.value)
+
+
+def test_lightning_an_oom_on_one_rank_shrinks_both_and_training_ends_as_if_none_happened(runs_dir):
+    needs("lightning")
+
+    def train():
+        import lightning as L
+        import torch.nn.functional as F
+        from torch.utils.data import DataLoader, TensorDataset
+
+        from gpufleet import runtime
+        from gpufleet.integrations.lightning import micro_batches
+
+        rank = runtime.get_global_rank()
+        seen: list[int] = []
+
+        class Net(L.LightningModule):
+            def __init__(self, oom: bool):
+                super().__init__()
+                torch.manual_seed(0)
+                self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+                self.oom = oom
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                if self.oom:
+                    seen.append(len(x))
+                    if rank == 1 and self.trainer.global_step == 1 and len(x) == 4 and 2 not in seen:
+                        raise torch.OutOfMemoryError(OOM)
+                return F.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+                return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 8, generator=gen)
+        data = TensorDataset(x, x.sum(1, keepdim=True))
+        weights = []
+        for oom in (False, True):
+            module = Net(oom)
+            if oom:
+                module = micro_batches(module, micro_batch=4, gradient_clip_val=1.0)
+            trainer = L.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=4, logger=False,
+                                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                                gradient_clip_val=None if oom else 1.0)
+            trainer.fit(module, DataLoader(data, batch_size=4))
+            weights.append({k: v.clone() for k, v in module.state_dict().items()})
+            steps = trainer.global_step
+        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(weights[0].values(), weights[1].values()))
+        return {"same_weights": same, "sizes": seen, "steps": steps}
+
+    fn = distributed(gpus=2, runs_dir=runs_dir, timeout=180, tracking=False)(train)
+    for result in fn.distributed():
+        assert result["same_weights"] and result["steps"] == 4, result
+        assert result["sizes"][:1] == [4] and result["sizes"][-1] == 2, result
+    records = [json.loads(line) for line in (fn.last_run / "memory.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["old_micro_batch"], r["new_micro_batch"], r["ranks"]) for r in records] == [(2, 4, 2, [1])]

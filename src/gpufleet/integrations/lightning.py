@@ -37,6 +37,10 @@ In a rank of a gpufleet run the callback
   ``"error"``, ``"off"``; ``gpufleet.memory``), from the trainer's strategy, precision and
   optimizer.
 
+``micro_batches(module, micro_batch)`` sends the LightningModule's training steps through
+``gpufleet.memory.MicroBatches``: a CUDA out-of-memory error on any rank halves the micro-batch on
+every rank and redoes the batch.
+
 Resuming is Lightning's own: ``fit(..., ckpt_path="last")`` loads the newest ``last*.ckpt`` of
 the ``ModelCheckpoint`` folders, and starts from scratch, with a warning, when there is none.
 A ``ModelCheckpoint(save_last=True)`` that saves at every epoch or every N steps (no
@@ -70,7 +74,7 @@ from gpufleet.errors import ConfigError
 from gpufleet.memory import check
 from gpufleet.tracking import _progress
 
-__all__ = ["GpufleetCallback"]
+__all__ = ["GpufleetCallback", "micro_batches"]
 
 
 class GpufleetCallback(Callback):
@@ -240,3 +244,80 @@ def _is_scalar(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def micro_batches(module: Any, micro_batch: int, *, shrink: bool = True, gradient_clip_val: float | None = None,
+                  gradient_clip_algorithm: str = "norm") -> Any:
+    """Send ``module``'s training steps (a LightningModule with automatic optimization) through
+    ``gpufleet.memory.MicroBatches``; returns the module.
+
+    Each batch the loader gives is split into micro-batches of ``micro_batch`` samples, each
+    goes through the module's own ``training_step`` (its loss: a mean over the micro-batch,
+    weighed by its samples), and the optimizer steps once per batch; when a rank runs out of
+    GPU memory, every rank halves the micro-batch and redoes the batch. The module switches to
+    Lightning's manual optimization, where this helper steps the optimizer, clips the gradients
+    (``gradient_clip_val``, ``gradient_clip_algorithm``: give them here, not to the Trainer) and
+    steps the schedulers as ``configure_optimizers`` set them (per step or per epoch, at their
+    frequency); under DDP it averages the gradients itself. One optimizer; no accumulation over
+    batches in the Trainer (``accumulate_grad_batches=1``)."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ConfigError(f"micro_batch={micro_batch!r} must be a whole number ≥ 1")
+    if not module.automatic_optimization:
+        raise ConfigError("micro_batches takes a LightningModule with automatic optimization: with manual "
+                          "optimization, use gpufleet.memory.MicroBatches in your training_step")
+    from gpufleet.memory import MicroBatches
+
+    original = module.training_step
+    helper: list[MicroBatches] = []
+    module.automatic_optimization = False
+
+    def training_step(batch: Any, batch_idx: int) -> Any:
+        trainer = module.trainer
+        model = trainer.strategy.model  # DistributedDataParallel under DDP, else the module
+        optimizer = module.optimizers()
+        if isinstance(optimizer, list):
+            raise ConfigError(f"micro_batches steps one optimizer; configure_optimizers gave {len(optimizer)}")
+        if not helper:
+            helper.append(MicroBatches(model, micro_batch, optimizer=optimizer, shrink=shrink,
+                                       backward=module.manual_backward))
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # Lightning runs training_step inside DDP's forward, once per batch: DDP's reducer
+            # would expect one backward pass of its output; the helper averages instead.
+            model.require_backward_grad_sync = False
+
+        def loss_of(micro: Any) -> Any:
+            out = original(micro, batch_idx)
+            return out["loss"] if isinstance(out, dict) else out
+
+        helper[0].optimizer_steps = trainer.global_step
+        loss = helper[0].accumulate(batch, loss_of)
+        if gradient_clip_val is not None:
+            module.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                                  gradient_clip_algorithm=gradient_clip_algorithm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _step_schedulers(trainer, "step", trainer.global_step)
+        return loss
+
+    def on_train_epoch_end() -> None:
+        epoch_end()
+        _step_schedulers(module.trainer, "epoch", module.trainer.current_epoch + 1)
+
+    epoch_end = module.on_train_epoch_end
+    module.training_step = training_step
+    module.on_train_epoch_end = on_train_epoch_end
+    return module
+
+
+def _step_schedulers(trainer: Any, interval: str, count: int) -> None:
+    """Step the schedulers of ``interval`` ("step" or "epoch") whose frequency ``count`` reaches,
+    as automatic optimization would (a scheduler that monitors a metric gets it)."""
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != interval or count % config.frequency:
+            continue
+        if config.reduce_on_plateau:
+            value = trainer.callback_metrics.get(config.monitor)
+            if value is not None:
+                config.scheduler.step(value)
+        else:
+            config.scheduler.step()
