@@ -16,13 +16,17 @@ on one GPU (issue 38, point 4).
    step), ``torch.cuda.set_per_process_memory_fraction`` lowered before step OOM_STEP to what
    micro-batch 4 needs; the time from the OOM to the end of the redone step, the loss curve
    against a run at micro-batch 4 from the start (target: within 1%), the optimizer steps.
-3. The check before the first step on a GPU that another process fills: its warning names
+3. The same OOM through the Hugging Face Trainer (``huggingface.micro_batches``).
+4. The check before the first step on a GPU that another process fills: its warning names
    that process, and ``memory_check="error"`` raises.
+
+Each measurement runs in a process of its own (DeepSpeed's engines keep their memory until
+their process ends).
 
 Models are built from published configurations with random weights (Llama 3.2 1B from
 examples/hf/trl_sft_deepspeed.py, read without importing it; the 124M and 1.2B decoders of
 ``models.py``): nothing is downloaded. Prints a table; ``--out`` also writes it with the GPU,
-date, versions and command. About 5 minutes on one H100.
+date, versions and command. About 7 minutes on one H100.
 """
 
 from __future__ import annotations
@@ -283,6 +287,65 @@ def oom_run(micro_batch: int, limit_at: int | None, per_sample: int, tiny: bool)
     return result
 
 
+def trainer_oom_run(micro_batch: int, limit_at: int | None, per_sample: int, tiny: bool) -> dict:
+    """As ``oom_run``, through the Hugging Face Trainer and ``huggingface.micro_batches``."""
+    import logging
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from gpufleet.integrations.huggingface import micro_batches
+
+    cuda = torch.cuda.is_available()
+    row = Row("tiny-llama" if tiny else "llama-3.2-1b", "ddp", micro_batch, 64 if tiny else 1024)
+    model, _ = build(row, tiny, torch.device("cuda" if cuda else "cpu"))
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 1000 if tiny else 128256, (OOM_BATCH * OOM_STEPS, row.seq_len), generator=gen)
+    ends: list[float] = []
+
+    class Limit(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == limit_at:
+                _limit(per_sample)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(time.time())
+
+    args = TrainingArguments("/tmp/memory_gpu-trainer", max_steps=OOM_STEPS, per_device_train_batch_size=OOM_BATCH,
+                             gradient_accumulation_steps=1, learning_rate=1e-4, lr_scheduler_type="constant",
+                             bf16=cuda, use_cpu=not cuda, save_strategy="no", report_to="none", logging_steps=1,
+                             disable_tqdm=True, seed=0, data_seed=0)
+    trainer = micro_batches(Trainer(model, args, train_dataset=[{"input_ids": i, "labels": i} for i in ids],
+                                    callbacks=[Limit()]), micro_batch)
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append  # type: ignore[method-assign]
+    logging.getLogger("gpufleet").addHandler(handler)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("gpufleet").removeHandler(handler)
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    shrinks = [(r.created, r.getMessage()) for r in said if "ran out of GPU memory" in r.getMessage()]
+    return {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+            "optimizer_steps": trainer.state.global_step, "shrinks": shrinks, "step_ends": ends}
+
+
+def trainer_oom_recovery(tiny: bool, per_sample: int) -> dict:
+    shrunk = isolated(trainer_oom_run, 8, OOM_STEP, per_sample, tiny)
+    steady = isolated(trainer_oom_run, 4, None, per_sample, tiny)
+    if "error" in shrunk or "error" in steady:
+        return {"error": shrunk.get("error") or steady.get("error")}
+    diffs = [abs(a - b) / abs(b) for a, b in zip(shrunk["losses"], steady["losses"])]
+    found = {"shrinks": [m for _, m in shrunk["shrinks"]], "max_loss_diff": max(diffs),
+             "optimizer_steps": (shrunk["optimizer_steps"], steady["optimizer_steps"]),
+             "losses": (shrunk["losses"], steady["losses"])}
+    if shrunk["shrinks"]:
+        when = shrunk["shrinks"][0][0]
+        found["continue_s"] = min(end for end in shrunk["step_ends"] if end > when) - when
+    return found
+
+
 def _limit(per_sample: int) -> None:
     """Let the process use what it reserved at micro-batch 8 less 2 samples' activations: micro-
     batch 8 does not fit any more, micro-batch 4 (4 samples less) does."""
@@ -387,7 +450,7 @@ def table(rows: list[Row], estimates: list[dict], measured: list[dict]) -> list[
     return lines
 
 
-def report(rows, estimates, measured, recovery, check, args) -> str:
+def report(rows, estimates, measured, recovery, check, args, trainer) -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (--tiny)"
     import transformers
 
@@ -411,9 +474,21 @@ def report(rows, estimates, measured, recovery, check, args) -> str:
     oom += [] if not r or "error" in r else [f"- loss curve against micro-batch 4 from the start: largest difference {100 * r['max_loss_diff']:.3f}% "
             f"(target < 1%)", f"- optimizer steps: {r['optimizer_steps'][0]} and {r['optimizer_steps'][1]}",
             f"- losses (shrunk, steady): {json.dumps([[round(x, 4) for x in c] for c in r['losses']])}"]
+    t = trainer
+    hf = ["", "## The same OOM through the Hugging Face Trainer (`huggingface.micro_batches`)", ""]
+    if not t:
+        hf += ["- not run (--parts)"]
+    elif "error" in t:
+        hf += [f"- failed: {t['error']}"]
+    else:
+        hf += [f"- shrinks: {t['shrinks'] or 'none (the limit was not low enough)'}"]
+        if "continue_s" in t:
+            hf += [f"- training went on {t['continue_s']:.2f} s after the OOM (the redone step's end)"]
+        hf += [f"- loss curve against micro-batch 4 from the start: largest difference {100 * t['max_loss_diff']:.3f}%",
+               f"- optimizer steps: {t['optimizer_steps'][0]} and {t['optimizer_steps'][1]}"]
     checked = ["", "## The check before the first step, another process holding most of the GPU", "",
                *(f"- {k}: {v}" for k, v in check.items())]
-    return "\n".join(head + table(rows, estimates, measured) + oom + checked) + "\n"
+    return "\n".join(head + table(rows, estimates, measured) + oom + hf + checked) + "\n"
 
 
 def main() -> None:
@@ -421,8 +496,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny models: check this script on a CPU")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     parser.add_argument("--only", help="the rows whose name holds this text")
-    parser.add_argument("--parts", default="rows,oom,check",
-                        help="which parts to run, of rows (estimate against measured), oom, check")
+    parser.add_argument("--parts", default="rows,oom,trainer,check",
+                        help="which parts to run, of rows (estimate against measured), oom, trainer "
+                             "(the OOM through the Hugging Face Trainer), check")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     rows = TINY if args.tiny else ROWS
@@ -446,15 +522,17 @@ def main() -> None:
     per_sample = per_sample // 2  # those rows trace 2048 tokens a sample; the OOM run has 1024
     recovery = oom_recovery(args.tiny, per_sample) if "oom" in parts else {}
     print(f"recovery: {recovery}", flush=True)
+    trainer = trainer_oom_recovery(args.tiny, per_sample) if "trainer" in parts else {}
+    print(f"trainer: {trainer}", flush=True)
     check = isolated(check_with_a_neighbour, args.tiny) if "check" in parts else {}
-    text = report(rows, estimates, measured, recovery, check, args)
+    text = report(rows, estimates, measured, recovery, check, args, trainer)
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(
             {"rows": [dataclasses.asdict(r) for r in rows], "estimates": estimates, "measured": measured,
-             "recovery": recovery, "check": check}, indent=1, default=str))
+             "recovery": recovery, "trainer": trainer, "check": check}, indent=1, default=str))
 
 
 if __name__ == "__main__":
