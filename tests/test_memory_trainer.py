@@ -76,6 +76,41 @@ def test_an_oom_on_one_rank_shrinks_both_and_the_trainer_ends_as_if_none_happene
     assert [(r["step"], r["old_micro_batch"], r["new_micro_batch"], r["ranks"]) for r in records] == [(2, 4, 2, [1])]
 
 
+def test_with_accumulation_an_oom_after_the_first_batch_ends_the_attempt_and_the_retry_runs_smaller(
+        runs_dir, tmp_path):
+    needs("transformers")
+
+    def train(out: str):
+        from gpufleet import runtime
+        from gpufleet.integrations.huggingface import micro_batches
+
+        rank, attempt = runtime.get_global_rank(), runtime.get_attempt()
+        plain = tiny_trainer(f"{out}/plain-{attempt}", batch=4, accumulation=2)
+        plain.train()
+        shrunk = micro_batches(tiny_trainer(f"{out}/shrunk-{attempt}", batch=4, accumulation=2), micro_batch=4)
+        seen: list[int] = []
+
+        def run_out(module, args, kwargs):  # attempt 0, rank 1: the second batch of step 2
+            seen.append(kwargs["input_ids"].shape[0])
+            if attempt == 0 and rank == 1 and shrunk.state.global_step == 1 and len(seen) == 4:
+                raise torch.OutOfMemoryError(OOM)
+
+        shrunk.model.register_forward_pre_hook(run_out, with_kwargs=True)
+        shrunk.train()
+        same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in
+                   zip(plain.model.state_dict().values(), shrunk.model.state_dict().values()))
+        return {"same_weights": same, "sizes": seen, "attempt": attempt}
+
+    fn = distributed(gpus=2, runs_dir=runs_dir, timeout=180, max_retries=1, tracking=False)(train)
+    for result in fn.distributed(str(tmp_path)):
+        # the retry started every rank at micro-batch 2 (two forward passes per batch of 4)
+        assert result["attempt"] == 1 and result["same_weights"], result
+        assert set(result["sizes"]) == {2} and len(result["sizes"]) == 2 * 2 * 4, result
+    first = fn.last_run.parent / "attempt-0"
+    records = [json.loads(line) for line in (first / "memory.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["new_micro_batch"], r["ranks"], r["in_place"]) for r in records] == [(2, 2, [1], False)]
+
+
 def test_a_micro_batch_the_trainer_cannot_take_is_refused(tmp_path):
     needs("transformers")
     from gpufleet.integrations.huggingface import micro_batches
