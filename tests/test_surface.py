@@ -2,6 +2,8 @@
 
 import inspect
 
+import pytest
+
 import gpufleet
 from gpufleet import data, runtime
 
@@ -71,7 +73,23 @@ def test_memory_names():
     assert sorted(memory.__all__) == ["Estimate", "GPUS", "MemoryCheckError", "MicroBatchFloorError",
                                       "MicroBatches", "estimate"]
     assert list(inspect.signature(memory.MicroBatches).parameters) == [
-        "target", "micro_batch", "optimizer", "scheduler", "shrink", "overlap_sync",
+        "target", "micro_batch", "optimizer", "scheduler", "shrink", "overlap_sync", "backward",
+    ]
+    assert [n for n in dir(memory.MicroBatches) if not n.startswith("_")] == [
+        "accumulate", "close", "load_state_dict", "state_dict", "step",
+    ]
+
+
+def test_integration_names():
+    pytest.importorskip("transformers")
+    pytest.importorskip("lightning")
+    from gpufleet.integrations import huggingface, lightning
+
+    assert huggingface.__all__ == ["GpufleetCallback", "last_checkpoint", "micro_batches"]
+    assert lightning.__all__ == ["GpufleetCallback", "micro_batches"]
+    assert list(inspect.signature(huggingface.micro_batches).parameters) == ["trainer", "micro_batch", "shrink"]
+    assert list(inspect.signature(lightning.micro_batches).parameters) == [
+        "module", "micro_batch", "shrink", "gradient_clip_val", "gradient_clip_algorithm",
     ]
 
 
