@@ -1,5 +1,5 @@
 """The memory estimate against the measured peak, and a real CUDA OOM that shrinks the micro-batch,
-on one GPU (issue 38, point 4).
+on one GPU.
 
     PYTHONPATH=src python benchmarks/memory_gpu.py --out benchmarks/results/memory_gpu-1xH100-DATE.md
     PYTHONPATH=src python benchmarks/memory_gpu.py --tiny        # the script itself, on a CPU

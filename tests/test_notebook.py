@@ -64,7 +64,7 @@ def result_text(cell) -> str:
 
 @pytest.mark.timeout(180)
 def test_quickstart_notebook_shows_rank_lines_and_results(kernel_env):
-    assert QUICKSTART.is_file(), "examples/quickstart.ipynb is missing (issue 2, item 15)"
+    assert QUICKSTART.is_file(), "examples/quickstart.ipynb is missing"
     nb = nbformat.read(QUICKSTART, as_version=4)
     # Cells tagged raises-exception may raise (a failure demo); any other error fails here.
     NotebookClient(nb, kernel_name=KERNEL, timeout=120, startup_timeout=60,
