@@ -23,7 +23,7 @@ def needs(module: str) -> None:
     pytest.importorskip(module)
 
 
-def tiny_trainer(out: str, batch: int, accumulation: int = 1):
+def tiny_trainer(out: str, batch: int, accumulation: int = 1, find_unused: bool | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -33,21 +33,24 @@ def tiny_trainer(out: str, batch: int, accumulation: int = 1):
     args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=batch,
                              gradient_accumulation_steps=accumulation, learning_rate=1e-2,
                              save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True,
-                             seed=0, logging_steps=1)
+                             seed=0, logging_steps=1, ddp_find_unused_parameters=find_unused)
     return Trainer(LlamaForCausalLM(config), args, train_dataset=data)
 
 
-def test_an_oom_on_one_rank_shrinks_both_and_the_trainer_ends_as_if_none_happened(runs_dir, tmp_path):
+# find_unused None: the Trainer's default without gradient checkpointing (True: DDP all-reduces
+# the used parameters in each backward pass); False: gradients kept local by a DDP hook
+@pytest.mark.parametrize("find_unused", [None, False])
+def test_an_oom_on_one_rank_shrinks_both_and_the_trainer_ends_as_if_none_happened(find_unused, runs_dir, tmp_path):
     needs("transformers")
     def train(out: str):
         from gpufleet import runtime
         from gpufleet.integrations.huggingface import micro_batches
 
         rank = runtime.get_global_rank()
-        plain = tiny_trainer(f"{out}/plain", batch=4)
+        plain = tiny_trainer(f"{out}/plain", batch=4, find_unused=find_unused)
         plain.train()
 
-        shrunk = micro_batches(tiny_trainer(f"{out}/shrunk", batch=4), micro_batch=4)
+        shrunk = micro_batches(tiny_trainer(f"{out}/shrunk", batch=4, find_unused=find_unused), micro_batch=4)
         seen: list[int] = []
 
         def run_out(module, args, kwargs):  # rank 1, step 2, a micro-batch of 4: once
